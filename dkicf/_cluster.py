@@ -1,0 +1,75 @@
+"""Finding or starting the dask cluster a computation runs on."""
+
+from __future__ import annotations
+
+__all__ = ["get_client", "local_cluster"]
+
+
+def get_client(client=None, *, timeout: float = 10.0):
+    """Return a ``distributed.Client`` from a client, an address, or the current one.
+
+    Parameters
+    ----------
+    client : distributed.Client, str or None
+        A client is used as it is; a string is a scheduler address
+        (``tcp://host:port`` or ``tls://host:port``); None means the client
+        current in this process.
+    timeout : float
+        Seconds to wait for a scheduler given by address.
+    """
+    from distributed import Client
+
+    if isinstance(client, Client):
+        return client
+    if isinstance(client, str):
+        try:
+            return Client(client, timeout=timeout)
+        except OSError as exc:
+            raise ConnectionError(
+                f"could not reach the dask scheduler at {client} within {timeout:g} s: {exc}"
+            ) from None
+    if client is not None:
+        raise TypeError(
+            f"client must be a distributed.Client, an address string or None, "
+            f"got {type(client).__name__}."
+        )
+    try:
+        from distributed import get_client as _current
+
+        return _current()
+    except ValueError:
+        raise RuntimeError(
+            "dask input needs a distributed cluster and none is running in this process. "
+            "Start one first, for example `client = dkicf.local_cluster()`, or pass client=."
+        ) from None
+
+
+def local_cluster(
+    n_workers: int = 2,
+    threads_per_worker: int = 1,
+    memory_limit: str | int | None = "auto",
+    *,
+    dashboard: bool = False,
+    processes: bool = True,
+    **kwargs,
+):
+    """Start a LocalCluster bound to 127.0.0.1 and return a client connected to it.
+
+    The dashboard is off unless ``dashboard=True`` (then on 127.0.0.1 only).
+    Closing the client (``client.close()``) does not stop the cluster; use
+    ``client.cluster.close()`` or the client as a context manager together with
+    its cluster.
+    """
+    from distributed import Client, LocalCluster
+
+    if processes:
+        kwargs.setdefault("host", "127.0.0.1")
+    cluster = LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=threads_per_worker,
+        memory_limit=memory_limit,
+        processes=processes,
+        dashboard_address="127.0.0.1:0" if dashboard else None,
+        **kwargs,
+    )
+    return Client(cluster)

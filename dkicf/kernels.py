@@ -1,0 +1,412 @@
+"""Kernel functions: a registry looked up by name, diagonals and kernel blocks.
+
+Every kernel here works on row blocks of the data and never forms the full
+``n x n`` matrix.  A kernel gives
+
+* ``prepare(X)``: per-row auxiliary values computed once per chunk (squared
+  row norms for the Gaussian kernel), so that kernel columns cost one
+  matrix-vector product;
+* ``diag(X, aux)``: the diagonal ``k(x_i, x_i)`` without any pairwise work;
+* ``block(A, B, a_aux, b_aux)``: the block ``k(A_i, B_j)`` as a float64 array.
+
+Kernels are small, picklable objects whose parameters are plain JSON values
+(:meth:`Kernel.get_params`), so they can be shipped to dask workers and saved
+with a model.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from scipy.spatial.distance import cdist
+
+__all__ = [
+    "Kernel",
+    "GaussianKernel",
+    "LaplacianKernel",
+    "PolynomialKernel",
+    "LinearKernel",
+    "CallableKernel",
+    "KERNELS",
+    "make_kernel",
+    "median_gamma",
+]
+
+_EPS = np.finfo(np.float64).eps
+
+
+class Kernel:
+    """Base class of the kernels.
+
+    Subclasses implement :meth:`block` and :meth:`diag`; :meth:`prepare` is
+    optional.  All arrays returned are float64.
+    """
+
+    name = "kernel"
+
+    def prepare(self, X: np.ndarray) -> np.ndarray | None:
+        """Per-row values that :meth:`block` and :meth:`diag` reuse (or None)."""
+        return None
+
+    def diag(self, X: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
+        """Return ``k(x_i, x_i)`` for every row of ``X``."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def block(
+        self,
+        A: np.ndarray,
+        B: np.ndarray,
+        a_aux: np.ndarray | None = None,
+        b_aux: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Return the kernel block ``K[i, j] = k(A[i], B[j])`` of shape (len(A), len(B))."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def roundoff(self, max_sqnorm: float, n_features: int) -> float:
+        """Relative size of the rounding error of one kernel entry, in units of eps.
+
+        Used to tell a residual that is pure rounding noise from a real one
+        (the numerical-rank stop of the factorization).
+        """
+        return 4.0
+
+    def get_params(self) -> dict[str, Any]:
+        """Kernel name and parameters as JSON-compatible values."""
+        return {"kernel": self.name}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items() if k != "kernel")
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_params() == other.get_params()
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+def _sqnorms(X: np.ndarray) -> np.ndarray:
+    return np.einsum("ij,ij->i", X, X, dtype=np.float64)
+
+
+class GaussianKernel(Kernel):
+    """Gaussian kernel ``exp(-gamma * ||x - y||^2)`` (the paper's sigma is ``gamma``)."""
+
+    name = "gaussian"
+
+    def __init__(self, gamma: float):
+        self.gamma = float(gamma)
+
+    def prepare(self, X):
+        return _sqnorms(X)
+
+    def diag(self, X, aux=None):
+        return np.ones(X.shape[0], dtype=np.float64)
+
+    def block(self, A, B, a_aux=None, b_aux=None):
+        a_sq = _sqnorms(A) if a_aux is None else a_aux
+        b_sq = _sqnorms(B) if b_aux is None else b_aux
+        # exp(-g*(|a|^2 + |b|^2 - 2 a.b)), computed in place on the product.
+        out = np.dot(A, B.T)
+        if out.dtype != np.float64:
+            out = out.astype(np.float64)
+        out *= 2.0 * self.gamma
+        out -= self.gamma * a_sq[:, None]
+        out -= self.gamma * b_sq[None, :]
+        np.minimum(out, 0.0, out=out)  # squared distances cannot be negative
+        np.exp(out, out=out)
+        return out
+
+    def roundoff(self, max_sqnorm, n_features):
+        # |a|^2 + |b|^2 - 2 a.b loses about 4 * eps * max|x|^2 absolutely.
+        return 8.0 * self.gamma * max(max_sqnorm, 1.0) * max(n_features, 1) ** 0.5 + 4.0
+
+    def get_params(self):
+        return {"kernel": self.name, "gamma": self.gamma}
+
+
+class LaplacianKernel(Kernel):
+    """Laplacian kernel ``exp(-gamma * ||x - y||_1)``."""
+
+    name = "laplacian"
+
+    def __init__(self, gamma: float):
+        self.gamma = float(gamma)
+
+    def diag(self, X, aux=None):
+        return np.ones(X.shape[0], dtype=np.float64)
+
+    def block(self, A, B, a_aux=None, b_aux=None):
+        out = cdist(np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64), "cityblock")
+        out *= -self.gamma
+        np.exp(out, out=out)
+        return out
+
+    def get_params(self):
+        return {"kernel": self.name, "gamma": self.gamma}
+
+
+class PolynomialKernel(Kernel):
+    """Polynomial kernel ``(gamma * <x, y> + coef0) ** degree``."""
+
+    name = "polynomial"
+
+    def __init__(self, gamma: float, degree: int = 3, coef0: float = 1.0):
+        self.gamma = float(gamma)
+        self.degree = int(degree)
+        self.coef0 = float(coef0)
+
+    def prepare(self, X):
+        return _sqnorms(X)
+
+    def diag(self, X, aux=None):
+        sq = _sqnorms(X) if aux is None else aux
+        return (self.gamma * sq + self.coef0) ** self.degree
+
+    def block(self, A, B, a_aux=None, b_aux=None):
+        out = np.dot(A, B.T).astype(np.float64, copy=False)
+        out *= self.gamma
+        out += self.coef0
+        return np.power(out, self.degree, out=out)
+
+    def roundoff(self, max_sqnorm, n_features):
+        return 4.0 * self.degree * max(n_features, 1)
+
+    def get_params(self):
+        return {
+            "kernel": self.name,
+            "gamma": self.gamma,
+            "degree": self.degree,
+            "coef0": self.coef0,
+        }
+
+
+class LinearKernel(Kernel):
+    """Linear kernel ``<x, y>``: kernel k-means then equals ordinary k-means."""
+
+    name = "linear"
+
+    def prepare(self, X):
+        return _sqnorms(X)
+
+    def diag(self, X, aux=None):
+        return _sqnorms(X) if aux is None else aux.copy()
+
+    def block(self, A, B, a_aux=None, b_aux=None):
+        return np.dot(A, B.T).astype(np.float64, copy=False)
+
+    def roundoff(self, max_sqnorm, n_features):
+        return 4.0 * max(n_features, 1)
+
+
+class CallableKernel(Kernel):
+    """A kernel given by a user function that computes a block.
+
+    Parameters
+    ----------
+    func : callable
+        ``func(A, B) -> ndarray`` of shape ``(len(A), len(B))``.  It must be a
+        positive semi-definite kernel and must be picklable to run on dask
+        workers (a module-level function, not a lambda, for distributed use).
+    diag : callable, optional
+        ``diag(X) -> ndarray`` of shape ``(len(X),)``.  Without it the diagonal
+        is evaluated from small diagonal blocks of ``func``, which costs
+        ``batch`` kernel evaluations per row.
+    """
+
+    name = "callable"
+
+    def __init__(self, func: Callable, diag: Callable | None = None):
+        if not callable(func):
+            raise TypeError(f"kernel must be a name or a callable, got {type(func).__name__}.")
+        self.func = func
+        self.diag_func = diag
+
+    def _call(self, A, B):
+        out = np.asarray(self.func(A, B), dtype=np.float64)
+        if out.shape != (A.shape[0], B.shape[0]):
+            raise ValueError(
+                f"the kernel callable returned shape {out.shape} for inputs of "
+                f"{A.shape[0]} and {B.shape[0]} rows; it must return "
+                f"({A.shape[0]}, {B.shape[0]})."
+            )
+        return out
+
+    def diag(self, X, aux=None):
+        if self.diag_func is not None:
+            out = np.asarray(self.diag_func(X), dtype=np.float64).reshape(-1)
+            if out.shape[0] != X.shape[0]:
+                raise ValueError(
+                    f"the kernel's diag callable returned {out.shape[0]} values for "
+                    f"{X.shape[0]} rows."
+                )
+            return out
+        batch = 64
+        parts = [np.diagonal(self._call(X[i : i + batch], X[i : i + batch])).copy()
+                 for i in range(0, X.shape[0], batch)]
+        return np.concatenate(parts) if parts else np.empty(0)
+
+    def block(self, A, B, a_aux=None, b_aux=None):
+        return self._call(A, B)
+
+    def get_params(self):
+        name = getattr(self.func, "__qualname__", repr(self.func))
+        return {"kernel": self.name, "function": f"{getattr(self.func, '__module__', '')}.{name}"}
+
+    def __eq__(self, other):
+        return isinstance(other, CallableKernel) and self.func is other.func
+
+    def __hash__(self):
+        return hash(self.func)
+
+
+KERNELS: dict[str, type[Kernel]] = {
+    "gaussian": GaussianKernel,
+    "rbf": GaussianKernel,
+    "laplacian": LaplacianKernel,
+    "polynomial": PolynomialKernel,
+    "poly": PolynomialKernel,
+    "linear": LinearKernel,
+}
+
+
+def _check_gamma(gamma, name="gamma"):
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
+        raise TypeError(
+            f"{name} must be a positive number or 'median', got {gamma!r} "
+            f"of type {type(gamma).__name__}."
+        )
+    if not np.isfinite(gamma) or gamma <= 0:
+        raise ValueError(f"{name} must be a positive finite number or 'median', got {gamma!r}.")
+    return float(gamma)
+
+
+def median_gamma(
+    X_sample: np.ndarray, kernel: str = "gaussian", *, n_pairs: int = 20_000, seed: int = 0
+) -> float:
+    """The median heuristic for the kernel width.
+
+    ``gamma = 1 / median(dist(x_i, x_j))`` over ``n_pairs`` random pairs of
+    distinct rows of ``X_sample``, where ``dist`` is the squared Euclidean
+    distance for the Gaussian kernel and the L1 distance for the Laplacian
+    kernel, so that a typical pair has ``k(x, y) = exp(-1)``.  The pairs are
+    drawn from ``numpy.random.default_rng(seed)``: the same sample and seed give
+    the same gamma.
+
+    Parameters
+    ----------
+    X_sample : ndarray of shape (m, d)
+        Rows to draw pairs from (a seeded sample of the data).
+    kernel : {"gaussian", "laplacian"}
+    n_pairs : int
+    seed : int
+
+    Returns
+    -------
+    gamma : float
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dkicf.kernels import median_gamma
+    >>> X = np.array([[0.0], [1.0], [2.0]])
+    >>> median_gamma(X, seed=0) in (1.0, 0.25)
+    True
+    """
+    X_sample = np.asarray(X_sample, dtype=np.float64)
+    m = X_sample.shape[0]
+    if m < 2:
+        raise ValueError(f"the median heuristic needs at least 2 rows, got {m}.")
+    rng = np.random.default_rng(seed)
+    i = rng.integers(0, m, size=n_pairs)
+    j = rng.integers(0, m - 1, size=n_pairs)
+    j = j + (j >= i)  # distinct pairs
+    diff = X_sample[i] - X_sample[j]
+    if KERNELS.get(kernel, GaussianKernel) is LaplacianKernel:
+        dist = np.abs(diff).sum(axis=1)
+    else:
+        dist = np.einsum("ij,ij->i", diff, diff)
+    med = float(np.median(dist))
+    if med <= 0:
+        positive = dist[dist > 0]
+        if positive.size == 0:
+            raise ValueError(
+                "gamma='median' failed: every sampled pair of rows is identical, "
+                "so no kernel width can be inferred; pass gamma as a number."
+            )
+        med = float(np.median(positive))
+    return 1.0 / med
+
+
+def make_kernel(
+    kernel: str | Callable | Kernel = "gaussian",
+    *,
+    gamma: float | str | None = None,
+    degree: int = 3,
+    coef0: float = 1.0,
+    X_sample: np.ndarray | None = None,
+    seed: int = 0,
+) -> Kernel:
+    """Build a :class:`Kernel` from a name (or callable) and its parameters.
+
+    Parameters
+    ----------
+    kernel : str, callable or Kernel
+        One of ``"gaussian"`` (alias ``"rbf"``), ``"laplacian"``,
+        ``"polynomial"`` (alias ``"poly"``), ``"linear"``; a callable
+        ``f(A, B)`` returning the kernel block; or a :class:`Kernel`.
+    gamma : float, "median" or None
+        Width of the Gaussian/Laplacian kernels (default ``"median"``) and
+        scale of the polynomial kernel (default ``1 / n_features``).
+        ``"median"`` applies :func:`median_gamma` to ``X_sample``.
+    degree, coef0 : polynomial kernel parameters.
+    X_sample : ndarray, optional
+        Seeded sample of the data, needed for ``gamma="median"`` and for the
+        polynomial default.
+    seed : int
+        Seed of the median heuristic.
+
+    Returns
+    -------
+    Kernel
+    """
+    if isinstance(kernel, Kernel):
+        return kernel
+    if callable(kernel):
+        return CallableKernel(kernel)
+    if not isinstance(kernel, str):
+        raise TypeError(
+            f"kernel must be a name, a callable or a Kernel, got {type(kernel).__name__}."
+        )
+    try:
+        cls = KERNELS[kernel.lower()]
+    except KeyError:
+        valid = ", ".join(sorted(KERNELS))
+        raise ValueError(
+            f"Unknown kernel {kernel!r}. Valid kernels are: {valid}, or a callable."
+        ) from None
+    if cls is LinearKernel:
+        return LinearKernel()
+    if cls is PolynomialKernel:
+        if gamma is None:
+            if X_sample is None:
+                raise ValueError("the polynomial kernel needs gamma or X_sample for 1/n_features.")
+            gamma = 1.0 / max(X_sample.shape[1], 1)
+        elif isinstance(gamma, str):
+            raise ValueError(
+                f"gamma={gamma!r} is only defined for the gaussian and laplacian kernels; "
+                "give the polynomial kernel a number."
+            )
+        if isinstance(degree, bool) or not isinstance(degree, numbers.Integral) or degree < 1:
+            raise ValueError(f"degree must be an integer >= 1, got {degree!r}.")
+        return PolynomialKernel(_check_gamma(gamma), degree=int(degree), coef0=float(coef0))
+    if gamma is None or (isinstance(gamma, str) and gamma == "median"):
+        if X_sample is None:
+            raise ValueError("gamma='median' needs a sample of the data (X_sample).")
+        gamma = median_gamma(X_sample, cls.name, seed=seed)
+    elif isinstance(gamma, str):
+        raise ValueError(f"gamma must be a positive number or 'median', got {gamma!r}.")
+    return cls(_check_gamma(gamma))
