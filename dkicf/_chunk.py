@@ -60,15 +60,17 @@ class ChunkState:
     Only the first ``rank`` columns are meaningful.
     """
 
-    __slots__ = ("P", "e", "aux", "rank", "offset", "n_passes")
+    __slots__ = ("P", "e", "aux", "rank", "offset", "n_passes", "pivots")
 
-    def __init__(self, P, e, aux, rank, offset, n_passes=0):
+    def __init__(self, P, e, aux, rank, offset, n_passes=0, pivots=None):
         self.P = P
         self.e = e
         self.aux = aux
         self.rank = rank
         self.offset = offset
         self.n_passes = n_passes
+        # Local row indices of the pivots that lie in this chunk.
+        self.pivots = np.empty(0, dtype=np.int64) if pivots is None else pivots
 
     @property
     def n_rows(self) -> int:
@@ -180,15 +182,25 @@ def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int) -> None:
     np.maximum(ep, 0.0, out=ep)
 
 
-def finish_block(P, e, offset: int, block: PivotBlock) -> None:
-    """Pivot rows of P become the rows of L (exactly lower triangular); their residual is 0."""
+def finish_block(P, e, offset: int, block: PivotBlock, pivots: np.ndarray) -> np.ndarray:
+    """Make the pivot rows of P exactly the rows of L and zero their residuals.
+
+    In exact arithmetic a selected row has a zero residual, so its entries in
+    every later column vanish; rounding leaves ~1e-17 there.  Writing the
+    exact values keeps ``L = P[pivots]`` lower triangular.  Returns the
+    chunk's local pivot indices including the new ones.
+    """
     i, b = block.rank, block.index.shape[0]
+    if pivots.size:
+        P[pivots, i : i + b] = 0.0
     local = block.index - offset
     mine = (local >= 0) & (local < e.shape[0])
     if mine.any():
         rows = local[mine]
         P[rows, i : i + b] = block.L[mine]
         e[rows] = 0.0
+        pivots = np.concatenate([pivots, rows])
+    return pivots
 
 
 def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkState:
@@ -205,9 +217,9 @@ def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkSt
         x = as_float(x)
         e = state.e.copy()
         update_rows(x, state.P, e, state.aux, block, 0, e.shape[0])
-        finish_block(state.P, e, state.offset, block)
+        pivots = finish_block(state.P, e, state.offset, block, state.pivots)
     return ChunkState(
-        state.P, e, state.aux, i + block.index.shape[0], state.offset, state.n_passes + 1
+        state.P, e, state.aux, i + block.index.shape[0], state.offset, state.n_passes + 1, pivots
     )
 
 
@@ -219,3 +231,95 @@ def chunk_P(state: ChunkState, rank: int) -> np.ndarray:
 def chunk_residual(state: ChunkState) -> np.ndarray:
     return state.e
 
+
+
+class History:
+    """The pivots chosen so far, in blocks: enough to rebuild any chunk's state.
+
+    Every chunk's rows of P are a deterministic function of its rows of X and
+    of this history (the blocks replayed in order give bit-identical columns),
+    which is what lets the distributed backend cut task lineage and still
+    recover a chunk that a dead worker took with it.
+    """
+
+    def __init__(self, kernel: Kernel, capacity: int, n_features: int):
+        self.kernel = kernel
+        self.index = np.empty(capacity, dtype=np.int64)
+        self.rows = np.empty((capacity, n_features))
+        self.aux = None
+        self.L = np.zeros((capacity, capacity))
+        self.bounds: list[int] = [0]
+
+    @property
+    def rank(self) -> int:
+        return self.bounds[-1]
+
+    def append(self, block: PivotBlock) -> None:
+        i, b = block.rank, block.index.shape[0]
+        if i != self.rank:
+            raise RuntimeError(f"history at rank {self.rank} received a block for rank {i}")
+        self.index[i : i + b] = block.index
+        self.rows[i : i + b] = block.rows
+        if block.aux is not None:
+            if self.aux is None:
+                self.aux = np.empty(self.index.shape[0])
+            self.aux[i : i + b] = block.aux
+        self.L[i : i + b, :i] = block.U
+        self.L[i : i + b, i : i + b] = block.L
+        self.bounds.append(i + b)
+
+    def block(self, k: int) -> PivotBlock:
+        """The ``k``-th block, exactly as it was sent."""
+        i, j = self.bounds[k], self.bounds[k + 1]
+        return PivotBlock(
+            kernel=self.kernel,
+            index=self.index[i:j].copy(),
+            rows=self.rows[i:j].copy(),
+            aux=None if self.aux is None else self.aux[i:j].copy(),
+            U=self.L[i:j, :i].copy(),
+            L=self.L[i:j, i:j].copy(),
+            rank=i,
+        )
+
+    def snapshot(self) -> History:
+        """A compact copy (only the filled part) to ship to workers."""
+        r = self.rank
+        h = History.__new__(History)
+        h.kernel = self.kernel
+        h.index = self.index[:r].copy()
+        h.rows = self.rows[:r].copy()
+        h.aux = None if self.aux is None else self.aux[:r].copy()
+        h.L = self.L[:r, :r].copy()
+        h.bounds = list(self.bounds)
+        return h
+
+
+def chunk_rebase(
+    x: np.ndarray,
+    previous_key: str,
+    history: History,
+    offset: int,
+    capacity: int,
+    chunk: int,
+) -> ChunkState:
+    """Start a new lineage for a chunk at the history's rank.
+
+    If the worker still holds the chunk's current state (under
+    ``previous_key``), it is reused as is; otherwise (its worker died) the
+    state is rebuilt by replaying every block of the history on the chunk's
+    rows of X, which reproduces it bit for bit.
+    """
+    try:
+        from distributed import get_worker
+
+        data = get_worker().data
+        if previous_key in data:
+            state = data[previous_key]
+            if isinstance(state, ChunkState) and state.rank == history.rank:
+                return state
+    except (ImportError, ValueError):
+        pass
+    state = chunk_init(x, history.kernel, offset, capacity, chunk)
+    for k in range(len(history.bounds) - 1):
+        state = chunk_update(x, state, history.block(k))
+    return state

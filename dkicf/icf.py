@@ -173,7 +173,7 @@ class _NumpyBackend:
     def rows(self, index: np.ndarray):
         return _chunk.chunk_rows(self.X, self.state, index)
 
-    def apply(self, block: _chunk.PivotBlock, m: int = 1) -> dict:
+    def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1) -> dict:
         st = self.state
         if self._pool is None:
             _chunk.update_rows(self.X, st.P, st.e, st.aux, block, 0, self.n)
@@ -184,7 +184,7 @@ class _NumpyBackend:
             ]
             for f in futs:
                 f.result()
-        _chunk.finish_block(st.P, st.e, 0, block)
+        st.pivots = _chunk.finish_block(st.P, st.e, 0, block, st.pivots)
         st.rank += block.index.shape[0]
         st.n_passes += 1
         return self.summary(m)
@@ -245,7 +245,10 @@ class _DaskBackend:
     gathers the block together with the chunks' small summaries.
     """
 
-    def __init__(self, X, kernel: Kernel, capacity: int, client, persist: bool, salt=""):
+    def __init__(
+        self, X, kernel: Kernel, capacity: int, client, persist: bool, rebase_every: int = 25,
+        salt="",
+    ):
         import uuid
 
         import dask
@@ -260,6 +263,8 @@ class _DaskBackend:
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
         self.token = dask.base.tokenize(X, kernel, capacity, salt, uuid.uuid4().hex)[:16]
         self.kernel = kernel
+        self.capacity = capacity
+        self.rebase_every = rebase_every
         self._x_blocks = list(X.to_delayed().ravel())
         self.persist = persist
         self._x_step = None
@@ -320,7 +325,7 @@ class _DaskBackend:
                 aux[pos] = a_
         return xr, aux, pr, er
 
-    def apply(self, block: _chunk.PivotBlock, m: int = 1) -> dict:
+    def apply(self, block: _chunk.PivotBlock, history: _chunk.History, m: int = 1) -> dict:
         """Send the block to every chunk and return the new global summary."""
         arg = block
         if _block_nbytes(block) * len(self.states) > _INLINE_BLOCK_BYTES:
@@ -337,7 +342,38 @@ class _DaskBackend:
             )
             for j, st in enumerate(self.states)
         ]
-        return self.summary(m)
+        summary = self.summary(m)
+        if self.step % self.rebase_every == 0:
+            self._rebase(history)
+        return summary
+
+    def _rebase(self, history: _chunk.History) -> None:
+        """Cut the lineage: new state futures whose spec rebuilds from X and the history.
+
+        Each rebase task runs where the chunk's state lives and reuses it; only
+        if that worker has died does it replay the history.  After this, the
+        scheduler forgets the previous iterations' tasks, so neither its memory
+        nor a recovery's depth grows with the iteration count.
+        """
+        snapshot = self.client.submit(
+            _identity, history.snapshot(), key=f"icf-history-{self.token}-{self.step}"
+        )
+        who_has = self.client.who_has(self.states)
+        new = []
+        for j, st in enumerate(self.states):
+            workers = list(who_has.get(st.key, ()))
+            new.append(
+                self.client.submit(
+                    _chunk.chunk_rebase, self._x(j), st.key, snapshot,
+                    int(self.offsets[j]), self.capacity, j,
+                    key=f"icf-rebase-{self.token}-{self.step}-{j}",
+                    workers=workers or None, allow_other_workers=True,
+                )
+            )
+        from distributed import wait
+
+        wait(new)
+        self.states = new
 
     def result_arrays(self, rank: int):
         import dask.array as da
@@ -513,14 +549,13 @@ def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> IC
     max_diag = float(summary["values"][0]) if summary["values"].size else 0.0
     if rank_tol is None:
         rank_tol = _EPS * max_diag * max(n, kernel.roundoff(summary.get("max_sqnorm", 0.0), d))
-    pivots: list[int] = []
+    history = _chunk.History(kernel, capacity, d)
     trace_errors: list[float] = []
-    L = np.zeros((capacity, capacity))
-    rows = np.empty((capacity, d))
     stop = "max_rank"
     trace = initial_trace
     while True:
-        if len(pivots) >= capacity:
+        i = history.rank
+        if i >= capacity:
             stop = "max_rank"
             break
         if trace <= tol:
@@ -531,28 +566,23 @@ def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> IC
         if not e_t > rank_tol:
             stop = "numerical_rank"
             break
-        i = len(pivots)
-        nu = math.sqrt(e_t)
         block = _chunk.PivotBlock(
             kernel=kernel,
             index=np.array([t], dtype=np.int64),
             rows=summary["x_rows"][:1],
             aux=None if summary["aux"] is None else summary["aux"][:1],
             U=summary["p_rows"][:1],
-            L=np.array([[nu]]),
+            L=np.array([[math.sqrt(e_t)]]),
             rank=i,
         )
-        summary = backend.apply(block)
-        L[i, :i] = block.U[0]
-        L[i, i] = nu
-        rows[i] = block.rows[0]
-        pivots.append(t)
+        history.append(block)
+        summary = backend.apply(block, history)
         trace = summary["trace"]
         trace_errors.append(trace)
         if progress is not None:
             progress(
                 ICFProgress(
-                    rank=len(pivots),
+                    rank=history.rank,
                     max_rank=capacity,
                     trace_error=trace,
                     initial_trace=initial_trace,
@@ -560,19 +590,19 @@ def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> IC
                     n_passes=summary["n_passes"],
                 )
             )
-    r = len(pivots)
+    r = history.rank
     P, residual = backend.result_arrays(r)
     logger.info(
         "incomplete Cholesky: rank %d, trace error %.3e (from %.3e), stop: %s, %.2f s",
         r, trace, initial_trace, stop, time.perf_counter() - start,
     )
     return ICFResult(
-        pivots=np.array(pivots, dtype=np.int64),
+        pivots=history.index[:r].copy(),
         P=P,
         trace_errors=np.array(trace_errors, dtype=np.float64),
         residual=residual,
-        L=np.ascontiguousarray(L[:r, :r]),
-        pivot_rows=np.ascontiguousarray(rows[:r]),
+        L=np.ascontiguousarray(history.L[:r, :r]),
+        pivot_rows=np.ascontiguousarray(history.rows[:r]),
         kernel=kernel,
         initial_trace=initial_trace,
         stop_reason=stop,

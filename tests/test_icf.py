@@ -1,0 +1,247 @@
+"""The factorization against Algorithm 1 run on the full kernel matrix."""
+
+import dask.array as da
+import numpy as np
+import pytest
+
+from dkicf import incomplete_cholesky
+from dkicf.kernels import GaussianKernel, make_kernel
+
+
+def reference_icf(K, max_rank, tol=0.0):
+    """Algorithm 1 of the paper on an explicit kernel matrix (the test oracle)."""
+    n = K.shape[0]
+    e = np.diag(K).astype(float).copy()
+    selected = np.zeros(n, dtype=bool)
+    P = np.zeros((n, 0))
+    pivots, traces = [], []
+    for _ in range(max_rank):
+        if e.sum() <= tol:
+            break
+        masked = np.where(selected, -np.inf, e)
+        t = int(np.argmax(masked))
+        nu = np.sqrt(e[t])
+        p = (K[:, t] - P @ P[t]) / nu
+        P = np.column_stack([P, p])
+        e = e - p**2
+        e[t] = 0.0
+        selected[t] = True
+        pivots.append(t)
+        traces.append(np.trace(K - P @ P.T))
+    return np.array(pivots), P, np.array(traces)
+
+
+@pytest.fixture
+def data(rng):
+    return rng.normal(size=(120, 3))
+
+
+def test_full_rank_reproduces_kernel_matrix(data):
+    K = GaussianKernel(0.8).block(data, data)
+    res = incomplete_cholesky(data, kernel="gaussian", gamma=0.8, max_rank=120, tol=0)
+    np.testing.assert_allclose(res.P @ res.P.T, K, atol=1e-8)
+    assert res.trace_errors[-1] < 1e-8
+
+
+def test_pivots_and_trace_errors_follow_algorithm_1(data):
+    K = GaussianKernel(0.8).block(data, data)
+    res = incomplete_cholesky(data, kernel="gaussian", gamma=0.8, max_rank=40, tol=0)
+    ref_pivots, ref_P, ref_traces = reference_icf(K, 40)
+    np.testing.assert_array_equal(res.pivots, ref_pivots)
+    np.testing.assert_allclose(res.P, ref_P, atol=1e-10)
+    # trace_errors are tr(K - P P^T) from the full matrix, and never increase.
+    for r in (1, 5, 17, 40):
+        Pr = res.P[:, :r]
+        np.testing.assert_allclose(res.trace_errors[r - 1], np.trace(K - Pr @ Pr.T), atol=1e-9)
+    np.testing.assert_allclose(res.trace_errors, ref_traces, atol=1e-9)
+    assert np.all(np.diff(res.trace_errors) <= 1e-12)
+    np.testing.assert_allclose(res.residual, np.diag(K - res.P @ res.P.T), atol=1e-10)
+
+
+def test_each_pivot_is_the_largest_residual():
+    """Every pivot maximises diag(K - P P^T) over the unselected rows, at its iteration."""
+    rng = np.random.default_rng(7)
+    X = rng.uniform(-1, 1, size=(80, 2))
+    K = make_kernel("laplacian", gamma=1.5).block(X, X)
+    res = incomplete_cholesky(X, kernel="laplacian", gamma=1.5, max_rank=25, tol=0)
+    for i, t in enumerate(res.pivots):
+        Pi = res.P[:, :i]
+        resid = np.diag(K) - np.einsum("ij,ij->i", Pi, Pi)
+        resid[res.pivots[:i]] = -np.inf
+        assert t == int(np.argmax(resid))
+
+
+def test_ties_go_to_the_lowest_row_index():
+    # Gaussian diagonal is all ones: the first pivot must be row 0; a duplicate of
+    # row 3 placed at rows 3 and 9 ties, and row 3 must come first.
+    X = np.array([[0.0, 0], [5, 5], [9, 0], [2, 7], [-4, 1], [8, 8], [1, -6], [-7, -7],
+                  [3, 3], [2, 7]])
+    res = incomplete_cholesky(X, kernel="gaussian", gamma=1.0, max_rank=10, tol=0)
+    assert res.pivots[0] == 0
+    assert 9 not in res.pivots.tolist()  # the duplicate of row 3 is never a pivot
+    assert 3 in res.pivots.tolist()
+
+
+def test_linear_kernel_stops_at_the_rank_of_X(rng):
+    X = rng.normal(size=(50, 3))
+    res = incomplete_cholesky(X, kernel="linear", max_rank=50, tol=0)
+    assert res.rank == 3
+    assert res.stop_reason == "numerical_rank"
+    np.testing.assert_allclose(res.P @ res.P.T, X @ X.T, atol=1e-9)
+
+
+def test_duplicated_rows_stop_at_the_rank_without_nan(rng):
+    base = rng.normal(size=(10, 4)) * 2
+    X = np.vstack([base, base[::-1], base[:5]])
+    rng.shuffle(X)
+    res = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=25, tol=0)
+    assert res.rank == 10
+    assert res.stop_reason == "numerical_rank"
+    assert np.isfinite(res.P).all()
+    K = GaussianKernel(0.5).block(X, X)
+    np.testing.assert_allclose(res.P @ res.P.T, K, atol=1e-8)
+
+
+def test_tol_stops_at_the_trace_error(data):
+    res = incomplete_cholesky(data, gamma=0.8, max_rank=120, tol=1.0)
+    assert res.stop_reason == "tol"
+    assert res.trace_errors[-1] <= 1.0 < res.trace_errors[-2]
+
+
+def test_max_rank_larger_than_n_is_capped(rng):
+    X = rng.normal(size=(6, 2))
+    res = incomplete_cholesky(X, gamma=0.1, max_rank=100, tol=0)
+    assert res.rank <= 6
+
+
+def test_L_is_lower_triangular_and_transform_reproduces_P(data):
+    res = incomplete_cholesky(data, gamma=0.8, max_rank=30, tol=0)
+    np.testing.assert_array_equal(res.L, res.P[res.pivots])
+    np.testing.assert_array_equal(np.triu(res.L, 1), 0)
+    np.testing.assert_allclose(res.transform(data), res.P, atol=1e-8)
+
+
+def test_float32_input_is_computed_in_float64(data):
+    X32 = data.astype(np.float32)
+    r32 = incomplete_cholesky(X32, gamma=0.8, max_rank=20, tol=0)
+    r64 = incomplete_cholesky(X32.astype(np.float64), gamma=0.8, max_rank=20, tol=0)
+    assert r32.P.dtype == np.float64
+    np.testing.assert_array_equal(r32.pivots, r64.pivots)
+    np.testing.assert_allclose(r32.P, r64.P, atol=1e-12)
+
+
+def test_progress_callback_sees_every_iteration(data):
+    seen = []
+    incomplete_cholesky(data, gamma=0.8, max_rank=7, tol=0, progress=seen.append)
+    assert [p.rank for p in seen] == list(range(1, 8))
+    assert all(p.max_rank == 7 for p in seen)
+
+
+@pytest.mark.parametrize(
+    "X, match",
+    [
+        (np.array([[0.0, np.nan], [1, 2]]), "NaN or infinity: first at row 0"),
+        (np.array([[0.0, 1], [1, np.inf]]), "NaN or infinity: first at row 1"),
+        (np.zeros(5), "must be 2-D"),
+        (np.zeros((2, 2, 2)), "must be 2-D"),
+        (np.zeros((0, 3)), "is empty"),
+    ],
+)
+def test_bad_X_is_refused(X, match):
+    with pytest.raises(ValueError, match=match):
+        incomplete_cholesky(X, gamma=1.0)
+
+
+@pytest.mark.parametrize("X", [np.array([["a", "b"]]), np.array([[1 + 2j, 0]])])
+def test_non_real_dtypes_are_refused(X):
+    with pytest.raises(TypeError, match="real"):
+        incomplete_cholesky(X, gamma=1.0)
+
+
+@pytest.mark.parametrize("max_rank", [0, -3])
+def test_bad_rank_is_refused(max_rank, data):
+    with pytest.raises(ValueError, match=f"max_rank must be >= 1, got {max_rank}"):
+        incomplete_cholesky(data, gamma=1.0, max_rank=max_rank)
+
+
+# ----------------------------------------------------------------------- dask backend
+
+
+@pytest.mark.parametrize("kernel, params", [("gaussian", {"gamma": 0.4}), ("linear", {}),
+                                            ("polynomial", {"gamma": 0.3, "degree": 2})])
+def test_dask_backend_matches_numpy(client, rng, kernel, params):
+    X = rng.normal(size=(1000, 4))
+    ref = incomplete_cholesky(X, kernel=kernel, max_rank=40, tol=0, **params)
+    Xd = da.from_array(X, chunks=((100, 333, 17, 550), (4,)))
+    res = incomplete_cholesky(Xd, kernel=kernel, max_rank=40, tol=0, client=client, **params)
+    assert isinstance(res.P, da.Array)
+    assert res.P.chunks[0] == Xd.chunks[0]
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P, atol=1e-10)
+    np.testing.assert_allclose(res.trace_errors, ref.trace_errors, atol=1e-9)
+    np.testing.assert_allclose(res.residual.compute(), ref.residual, atol=1e-10)
+    np.testing.assert_array_equal(res.L, ref.L)
+
+
+def test_dask_backend_streaming_matches_numpy(client, rng):
+    X = rng.normal(size=(600, 3)).astype(np.float32)
+    ref = incomplete_cholesky(X, gamma=0.4, max_rank=15, tol=0)
+    Xd = da.from_array(X, chunks=(150, 3))
+    res = incomplete_cholesky(Xd, gamma=0.4, max_rank=15, tol=0, client=client, persist=False)
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P, atol=1e-10)
+    # Each iteration is one pass over X, plus the pass that computes the diagonal.
+    assert res.n_passes == 16
+
+
+def test_dask_median_gamma_matches_numpy(client, rng):
+    X = rng.normal(size=(900, 3))
+    ref = incomplete_cholesky(X, max_rank=5, random_state=3)
+    res = incomplete_cholesky(da.from_array(X, chunks=200), max_rank=5, random_state=3,
+                              client=client)
+    assert res.kernel == ref.kernel
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+
+
+def test_dask_nan_names_row_and_chunk(client, rng):
+    X = rng.normal(size=(400, 2))
+    X[317, 1] = np.nan
+    with pytest.raises(ValueError, match=r"first at row 317 \(chunk 3\)"):
+        incomplete_cholesky(da.from_array(X, chunks=100), gamma=1.0, client=client)
+
+
+def test_dask_task_graph_does_not_grow_with_iterations(client, rng):
+    """Per-iteration tasks are constant, and the scheduler forgets old iterations."""
+    X = da.from_array(rng.normal(size=(400, 2)), chunks=100)
+    counts = []
+
+    def count(progress):
+        counts.append(len(client.cluster.scheduler.tasks))
+
+    res = incomplete_cholesky(X, gamma=1.0, max_rank=90, tol=0, client=client, progress=count)
+    assert res.rank == 90
+    # Lineage is cut every few dozen iterations: the scheduler's task count at
+    # iteration 90 is no larger than around iteration 30.
+    assert max(counts[70:]) <= max(counts[:40]) + 8
+
+
+def test_dask_rebase_replays_a_lost_state_bit_for_bit(client, rng):
+    """A chunk whose state is gone is rebuilt from X and the pivot history exactly."""
+    from dkicf import _chunk
+    from dkicf.icf import _NumpyBackend
+
+    X = rng.normal(size=(300, 3))
+    kern = GaussianKernel(0.7)
+    backend = _NumpyBackend(X, kern, 12, n_threads=1)
+    history = _chunk.History(kern, 12, 3)
+    summary = backend.summary()
+    for i in range(12):
+        block = _chunk.PivotBlock(kern, summary["index"][:1], summary["x_rows"][:1],
+                                  summary["aux"][:1], summary["p_rows"][:1],
+                                  np.array([[np.sqrt(summary["values"][0])]]), i)
+        history.append(block)
+        summary = backend.apply(block)
+    chunk = X[100:200]
+    state = _chunk.chunk_rebase(chunk, "no-such-key", history.snapshot(), 100, 12, 1)
+    np.testing.assert_array_equal(state.P[:, :12], backend.state.P[100:200, :12])
+    np.testing.assert_array_equal(state.e, backend.state.e[100:200])
