@@ -228,11 +228,11 @@ def test_dask_task_graph_does_not_grow_with_iterations(client, rng):
 def test_dask_rebase_replays_a_lost_state_bit_for_bit(client, rng):
     """A chunk whose state is gone is rebuilt from X and the pivot history exactly."""
     from dkicf import _chunk
-    from dkicf.icf import _NumpyBackend
+    from dkicf._backends import NumpyBackend
 
     X = rng.normal(size=(300, 3))
     kern = GaussianKernel(0.7)
-    backend = _NumpyBackend(X, kern, 12, n_threads=1)
+    backend = NumpyBackend(X, kern, 12, n_threads=1)
     history = _chunk.History(kern, 12, 3)
     summary = backend.summary()
     for i in range(12):

@@ -1,0 +1,320 @@
+"""Where the factorization's row chunks live: this process (numpy) or dask workers.
+
+A backend holds the chunk states (rows of P, residual diagonal) and offers the
+driver in :mod:`dkicf.icf` a few collective operations:
+
+* ``summary(m)``: trace of the residual, its ``m`` largest entries and their
+  rows of X and of P (a small dict, reduced over chunks);
+* ``rows(index)``: rows of X and P at global indices;
+* ``apply(block, history)``: add a pivot block to every chunk, return the new summary;
+* ``map_chunks(func, *args)``: run ``func(x_chunk, state, offset, *args)`` on every
+  chunk and return the small results in chunk order (for pivot rules);
+* ``result_arrays(rank)``: P and the residual, as numpy or dask arrays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _chunk
+from .kernels import Kernel
+
+
+class NumpyBackend:
+    """The whole dataset in this process, updated in cache-sized row blocks.
+
+    Each pass runs the row blocks on a thread pool (one BLAS thread each), so
+    the kernel column, the ``P u`` product, the exponential and the residual
+    update of a block happen while it is in cache: one read of X and of P per
+    iteration, the bandwidth floor of the method.
+    """
+
+    _BLOCK_ROWS = 16384
+
+    def __init__(self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None):
+        self.X = _chunk.as_float(X)
+        self.n, self.d = self.X.shape
+        self.state = _chunk.chunk_init(self.X, kernel, 0, capacity)
+        self.n_threads = n_threads or _cpu_count()
+        self.bounds = [
+            (lo, min(lo + self._BLOCK_ROWS, self.n)) for lo in range(0, self.n, self._BLOCK_ROWS)
+        ]
+        self._pool = None
+        self._limiter = None
+        if self.n_threads > 1 and len(self.bounds) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from threadpoolctl import threadpool_limits
+
+            self._pool = ThreadPoolExecutor(self.n_threads, thread_name_prefix="dkicf")
+            self._limiter = threadpool_limits(1)
+
+    def summary(self, m: int = 1, first: bool = False) -> dict:
+        return _chunk.chunk_stats(self.state, m, self.X, rows=True)
+
+    def rows(self, index: np.ndarray):
+        return _chunk.chunk_rows(self.X, self.state, index)
+
+    def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1) -> dict:
+        st = self.state
+        if self._pool is None:
+            _chunk.update_rows(self.X, st.P, st.e, st.aux, block, 0, self.n)
+        else:
+            futs = [
+                self._pool.submit(_chunk.update_rows, self.X, st.P, st.e, st.aux, block, lo, hi)
+                for lo, hi in self.bounds
+            ]
+            for f in futs:
+                f.result()
+        st.pivots = _chunk.finish_block(st.P, st.e, 0, block, st.pivots)
+        st.rank += block.index.shape[0]
+        st.n_passes += 1
+        return self.summary(m)
+
+    def map_chunks(self, func, *args) -> list:
+        """``[func(X, state, 0, *args)]``: the whole dataset is one chunk."""
+        return [func(self.X, self.state, 0, *args)]
+
+    def result_arrays(self, rank: int):
+        P = self.state.P[:, :rank]
+        return P, self.state.e.copy()
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._limiter.restore_original_limits()
+            self._pool = None
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _merge_summaries(parts: list[dict], m: int) -> dict:
+    """Global summary from the chunks': top ``m`` residuals, ties to the lowest index."""
+    values = np.concatenate([p["values"] for p in parts])
+    index = np.concatenate([p["index"] for p in parts])
+    order = np.lexsort((index, -values))[:m]
+    out = {
+        "trace": math.fsum(p["trace"] for p in parts),
+        "values": values[order],
+        "index": index[order],
+        "n_passes": max(p["n_passes"] for p in parts),
+    }
+    if "max_sqnorm" in parts[0]:
+        out["max_sqnorm"] = max(p.get("max_sqnorm", 0.0) for p in parts)
+    if "x_rows" in parts[0]:
+        out["x_rows"] = np.concatenate([p["x_rows"] for p in parts])[order]
+        out["p_rows"] = np.concatenate([p["p_rows"] for p in parts])[order]
+        if parts[0]["aux"] is not None:
+            out["aux"] = np.concatenate([p["aux"] for p in parts])[order]
+        else:
+            out["aux"] = None
+    return out
+
+
+class DaskBackend:
+    """Row chunks of a dask array, each a chain of futures on the workers.
+
+    X chunks are either held in worker memory (``persist=True``) or re-read
+    from their source (for example Zarr) by every pass.  The chunk states
+    (P rows and residuals) are futures: a worker that dies loses them, and the
+    scheduler recomputes them from their lineage (X chunk, earlier state,
+    pivot block), so no state lives only in scattered data.  One iteration is
+    one round trip: the pivot block is built by a task on the worker that holds
+    the pivot's chunk, every chunk's update depends on that task, and the driver
+    gathers the block together with the chunks' small summaries.
+    """
+
+    def __init__(
+        self, X, kernel: Kernel, capacity: int, client, persist: bool, rebase_every: int = 25,
+        salt="",
+    ):
+        import uuid
+
+        import dask
+
+        from ._cluster import get_client
+
+        self.client = get_client(client)
+        if X.numblocks[1] != 1:
+            X = X.rechunk({1: -1})
+        self.n, self.d = X.shape
+        self.chunks = X.chunks[0]
+        self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
+        self.token = dask.base.tokenize(X, kernel, capacity, salt, uuid.uuid4().hex)[:16]
+        self.kernel = kernel
+        self.capacity = capacity
+        self.rebase_every = rebase_every
+        self._x_blocks = list(X.to_delayed().ravel())
+        self.persist = persist
+        self._x_step = None
+        self._x_futs = self.client.compute(self._x_blocks) if persist else None
+        self.step = 0
+        self.states = [
+            self.client.submit(
+                _chunk.chunk_init, self._x(j), kernel, int(off), capacity, j,
+                key=f"icf-init-{self.token}-{j}",
+            )
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+
+    def _x(self, j):
+        if self.persist:
+            return self._x_futs[j]
+        if self._x_step is None or self._x_step[0] != self.step:
+            # Fresh read tasks for this pass; released when the pass is done.
+            self._x_step = (self.step, self.client.compute(self._x_blocks))
+        return self._x_step[1][j]
+
+    def summary(self, m: int = 1, first: bool = False) -> dict:
+        futs = [
+            self.client.submit(
+                _chunk.chunk_stats, st, m, self._x(j), True,
+                key=f"icf-stats-{self.token}-{self.step}-{j}",
+            )
+            for j, st in enumerate(self.states)
+        ]
+        return _merge_summaries(self.client.gather(futs), m)
+
+    def _locate(self, index: np.ndarray):
+        j = np.searchsorted(self.offsets, index, side="right") - 1
+        return j, index - self.offsets[j]
+
+    def rows(self, index: np.ndarray):
+        index = np.asarray(index, dtype=np.int64)
+        js, local = self._locate(index)
+        groups: dict[int, list[int]] = {}
+        for pos, j in enumerate(js):
+            groups.setdefault(int(j), []).append(pos)
+        futs = [
+            self.client.submit(
+                _chunk.chunk_rows, self._x(j), self.states[j], local[pos],
+                key=f"icf-rows-{self.token}-{self.step}-{j}",
+            )
+            for j, pos in groups.items()
+        ]
+        parts = self.client.gather(futs)
+        b = index.shape[0]
+        xr = np.empty((b, self.d))
+        pr = np.empty((b, parts[0][2].shape[1]))
+        er = np.empty(b)
+        aux = None if parts[0][1] is None else np.empty(b)
+        for pos, (x_, a_, p_, e_) in zip(groups.values(), parts):
+            xr[pos], pr[pos], er[pos] = x_, p_, e_
+            if aux is not None:
+                aux[pos] = a_
+        return xr, aux, pr, er
+
+    def apply(self, block: _chunk.PivotBlock, history: _chunk.History, m: int = 1) -> dict:
+        """Send the block to every chunk and return the new global summary."""
+        arg = block
+        if _block_nbytes(block) * len(self.states) > _INLINE_BLOCK_BYTES:
+            # Large blocks become one task shared by every chunk: sent to the
+            # cluster once per pass and recomputable from its spec.
+            arg = self.client.submit(
+                _identity, block, key=f"icf-block-{self.token}-{self.step + 1}"
+            )
+        self.step += 1
+        self.states = [
+            self.client.submit(
+                _chunk.chunk_update, self._x(j), st, arg,
+                key=f"icf-update-{self.token}-{self.step}-{j}",
+            )
+            for j, st in enumerate(self.states)
+        ]
+        summary = self.summary(m)
+        if self.step % self.rebase_every == 0:
+            self._rebase(history)
+        return summary
+
+    def _rebase(self, history: _chunk.History) -> None:
+        """Cut the lineage: new state futures whose spec rebuilds from X and the history.
+
+        Each rebase task runs where the chunk's state lives and reuses it; only
+        if that worker has died does it replay the history.  After this, the
+        scheduler forgets the previous iterations' tasks, so neither its memory
+        nor a recovery's depth grows with the iteration count.
+        """
+        snapshot = self.client.submit(
+            _identity, history.snapshot(), key=f"icf-history-{self.token}-{self.step}"
+        )
+        who_has = self.client.who_has(self.states)
+        new = []
+        for j, st in enumerate(self.states):
+            workers = list(who_has.get(st.key, ()))
+            new.append(
+                self.client.submit(
+                    _chunk.chunk_rebase, self._x(j), st.key, snapshot,
+                    int(self.offsets[j]), self.capacity, j,
+                    key=f"icf-rebase-{self.token}-{self.step}-{j}",
+                    workers=workers or None, allow_other_workers=True,
+                )
+            )
+        from distributed import wait
+
+        wait(new)
+        self.states = new
+
+    def map_chunks(self, func, *args) -> list:
+        """``func(x_chunk, state, offset, *args)`` on every chunk, results in chunk order.
+
+        Arguments are embedded in each task; keep them small.
+        """
+        self._map_count = getattr(self, "_map_count", 0) + 1
+        name = getattr(func, "__name__", "func")
+        futs = [
+            self.client.submit(
+                func, self._x(j), st, int(self.offsets[j]), *args,
+                key=f"icf-{name}-{self.token}-{self.step}-{self._map_count}-{j}",
+            )
+            for j, st in enumerate(self.states)
+        ]
+        return self.client.gather(futs)
+
+    def result_arrays(self, rank: int):
+        import dask.array as da
+
+        P = da.concatenate(
+            [
+                da.from_delayed(
+                    self.client.submit(_chunk.chunk_P, st, rank, key=f"icf-P-{self.token}-{j}"),
+                    shape=(c, rank), dtype=np.float64,
+                )
+                for j, (st, c) in enumerate(zip(self.states, self.chunks))
+            ],
+            axis=0,
+        )
+        e = da.concatenate(
+            [
+                da.from_delayed(
+                    self.client.submit(_chunk.chunk_residual, st, key=f"icf-e-{self.token}-{j}"),
+                    shape=(c,), dtype=np.float64,
+                )
+                for j, (st, c) in enumerate(zip(self.states, self.chunks))
+            ]
+        )
+        return P, e
+
+    def close(self):
+        self._x_step = None
+
+
+def _identity(x):
+    return x
+
+
+_INLINE_BLOCK_BYTES = 1 << 20
+
+
+def _block_nbytes(block: _chunk.PivotBlock) -> int:
+    return block.rows.nbytes + block.U.nbytes + block.L.nbytes + 64
+
+
