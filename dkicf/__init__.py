@@ -3,13 +3,21 @@
 __version__ = "0.1.0"
 
 from ._cluster import local_cluster
+from .estimator import KernelKMeans, load
 from .icf import ICFProgress, ICFResult, incomplete_cholesky
 from .kernels import make_kernel, median_gamma
+from .kmeans import KMeansProgress, KMeansResult, assign, kmeans
 
 __all__ = [
     "ICFProgress",
     "ICFResult",
+    "KMeansProgress",
+    "KMeansResult",
+    "KernelKMeans",
+    "assign",
     "incomplete_cholesky",
+    "kmeans",
+    "load",
     "local_cluster",
     "make_kernel",
     "median_gamma",

@@ -319,7 +319,9 @@ def median_gamma(
     X_sample = np.asarray(X_sample, dtype=np.float64)
     m = X_sample.shape[0]
     if m < 2:
-        raise ValueError(f"the median heuristic needs at least 2 rows, got {m}.")
+        raise ValueError(
+            f"gamma='median' needs at least 2 samples, got n_samples={m}; pass gamma as a number."
+        )
     rng = np.random.default_rng(seed)
     i = rng.integers(0, m, size=n_pairs)
     j = rng.integers(0, m - 1, size=n_pairs)

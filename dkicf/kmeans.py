@@ -1,0 +1,823 @@
+"""K-means on the rows of the factor P, in memory or on a dask cluster.
+
+Kernel k-means on an incomplete Cholesky factorization ``K ~ P P^T`` is plain
+k-means on the rows of P.  This module clusters those rows: in this process
+for a numpy P, and on a ``distributed`` cluster for a dask P chunked by rows.
+
+Two algorithms share one layout:
+
+* ``"minibatch"`` (Sculley 2010, as scikit-learn's ``MiniBatchKMeans``): the
+  driver draws the batches' global row indices from its own generator, fetches
+  only those rows (the rows of many future steps in one request, since the
+  indices do not depend on the centres) and updates the centres itself;
+* ``"lloyd"``: one pass over P per iteration; each row chunk returns its
+  per-centre sums and counts, its inertia and its few farthest points, and the
+  driver reduces them in chunk order.
+
+Row chunks never leave the workers: the driver receives sampled rows and
+per-chunk summaries of size ``O(k s)``, and labels stay a dask array chunked
+like P.  Every random choice is made on the driver and addresses rows by
+global index, so the result does not depend on the number of workers or on
+the chunking.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import operator
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from scipy import sparse
+from threadpoolctl import threadpool_limits
+
+from ._validation import check_array_2d, check_positive_int, is_dask_array
+
+if TYPE_CHECKING:
+    import dask.array as da
+
+__all__ = ["ALGORITHMS", "KMeansProgress", "KMeansResult", "assign", "kmeans"]
+
+logger = logging.getLogger(__name__)
+
+ALGORITHMS = ("lloyd", "minibatch")
+
+# Mini-batch: a centre whose count is below this fraction of the largest count
+# is starved (it sits where almost no data is) and is re-seeded.
+_REASSIGNMENT_RATIO = 1e-3
+# Mini-batch prefetch: rows of as many future steps as fit in this budget.
+_PREFETCH_ROWS = 65536
+_PREFETCH_BYTES = 64 << 20
+# Rows x centres of the distance block a chunk kernel holds at once.
+_BLOCK_ELEMENTS = 1 << 20
+# Restarts whose inertias differ by less than this (relative) are a tie, won by
+# the earlier one: rounding differences between chunkings never pick the run.
+_TIE_RTOL = 1e-12
+
+
+@dataclass
+class KMeansProgress:
+    """What a progress callback receives after each step or iteration.
+
+    Attributes
+    ----------
+    restart : int
+        Index of the current run, from 0 to ``n_init - 1``.
+    n_init : int
+        Number of runs.
+    step : int
+        Mini-batch steps or Lloyd iterations of this run so far.
+    max_iter : int
+        The step (iteration) count at which the run stops at the latest.
+    inertia : float
+        Estimate of the sum of squared distances over all rows.  Lloyd: the
+        exact inertia of the pass, with respect to the centres before the
+        update.  Mini-batch: ``n_samples`` times the exponentially weighted
+        mean squared distance of the batches (the raw first batch at step 1).
+    center_shift : float
+        Sum of the squared movements of the centres in this step.
+    elapsed : float
+        Seconds since :func:`kmeans` started.
+    """
+
+    restart: int
+    n_init: int
+    step: int
+    max_iter: int
+    inertia: float
+    center_shift: float
+    elapsed: float
+
+
+@dataclass
+class KMeansResult:
+    """The outcome of :func:`kmeans`.
+
+    Attributes
+    ----------
+    cluster_centers : ndarray of shape (n_clusters, n_features)
+        The centres of the kept run, float64.
+    labels : ndarray or dask array of shape (n_samples,)
+        Index of the nearest centre of every row, int64: a numpy array for a
+        numpy P, a dask array chunked like P's rows for a dask P (its chunks
+        live on the workers).
+    inertia : float
+        Sum of the squared distances of the rows to their nearest centre,
+        from a full pass over P.
+    n_iter : int
+        Mini-batch steps or Lloyd iterations of the kept run.
+    n_steps_total : int
+        Steps (iterations) of all runs together.
+    inertias : list of float
+        Full-pass inertia of each run, in run order.
+    stop_reason : {"tol", "no_improvement", "max_iter"}
+        Why the kept run stopped: the centres' movement fell below the
+        tolerance, the smoothed batch inertia stopped improving (mini-batch
+        only), or the step cap.
+    """
+
+    cluster_centers: np.ndarray
+    labels: np.ndarray | da.Array
+    inertia: float
+    n_iter: int
+    n_steps_total: int
+    inertias: list[float]
+    stop_reason: str = "max_iter"
+
+
+# --------------------------------------------------------------------------- block kernels
+
+
+def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
+    """Raise naming the first row of P that holds NaN or infinity.
+
+    ``rows`` is the global index of ``x``'s first row, or of all its rows.
+    """
+    if np.isfinite(x).all():
+        return
+    bad = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+    row = int(rows[bad]) if isinstance(rows, np.ndarray) else rows + bad
+    raise ValueError(
+        f"P contains NaN or infinity: first at row {row}. "
+        "Remove or impute those rows before clustering."
+    )
+
+
+def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray):
+    """Nearest centre of each row (ties to the lowest index) and the squared distance to it.
+
+    ``||x||^2 - 2 x.c + ||c||^2`` in float64, clamped at 0 (rounding can make a
+    point at a centre slightly negative).
+    """
+    d = x @ centers.T
+    d *= -2.0
+    d += c_sq
+    d += np.einsum("ij,ij->i", x, x)[:, None]
+    labels = np.argmin(d, axis=1).astype(np.int64, copy=False)
+    d2 = d[np.arange(x.shape[0]), labels]
+    np.maximum(d2, 0.0, out=d2)
+    return labels, d2
+
+
+def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """Per-centre sums of the rows, accumulated in row order."""
+    m = x.shape[0]
+    # One nonzero per row: the (m, k) indicator is built without any sorting.
+    onehot = sparse.csr_matrix((np.ones(m), labels, np.arange(m + 1)), shape=(m, k))
+    return np.asarray(onehot.T @ x)
+
+
+def _scan(p, offset: int, centers: np.ndarray, with_sums: bool):
+    """Labels, squared distances and (optionally) per-centre sums of one row chunk.
+
+    Works in row blocks so that the distance block stays small whatever the
+    chunk size; rows are widened to float64 block by block.
+    """
+    n, s = p.shape
+    k = centers.shape[0]
+    c_sq = np.einsum("ij,ij->i", centers, centers)
+    labels = np.empty(n, dtype=np.int64)
+    d2 = np.empty(n)
+    sums = np.zeros((k, s)) if with_sums else None
+    step = max(256, _BLOCK_ELEMENTS // k)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        x = np.asarray(p[lo:hi], dtype=np.float64)
+        _check_finite(x, offset + lo)
+        labels[lo:hi], d2[lo:hi] = _nearest(x, centers, c_sq)
+        if with_sums:
+            sums += _cluster_sums(x, labels[lo:hi], k)
+    return labels, d2, sums
+
+
+def _chunk_assign(p, offset: int, centers: np.ndarray):
+    """One chunk of a full pass: its labels, and its inertia and counts."""
+    labels, d2, _ = _scan(p, offset, centers, with_sums=False)
+    stats = {
+        "inertia": float(d2.sum()),
+        "counts": np.bincount(labels, minlength=centers.shape[0]),
+    }
+    return labels, stats
+
+
+def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int) -> dict:
+    """One chunk of a Lloyd iteration: per-centre sums and counts, inertia, farthest points.
+
+    The farthest points (largest squared distance to their centre, with their
+    global index and label) are the candidates for re-seeding empty clusters.
+    """
+    labels, d2, sums = _scan(p, offset, centers, with_sums=True)
+    n = labels.shape[0]
+    m = min(n_far, n)
+    far = np.arange(n)
+    if m < n:
+        # Everything tied with the m-th largest, then ties to the lowest index:
+        # the chunk's candidates are the same whatever the chunk boundaries.
+        far = np.flatnonzero(d2 >= np.partition(d2, n - m)[n - m])
+    far = far[np.lexsort((far, -d2[far]))[:m]]
+    return {
+        "sums": sums,
+        "counts": np.bincount(labels, minlength=centers.shape[0]),
+        "inertia": float(d2.sum()),
+        "far_d2": d2[far],
+        "far_index": far.astype(np.int64) + offset,
+        "far_label": labels[far],
+    }
+
+
+def _chunk_take(p, local: np.ndarray) -> np.ndarray:
+    """Rows of a chunk at local indices, as float64."""
+    return np.asarray(p[local], dtype=np.float64)
+
+
+def _in_task(fn, *args):
+    """Run a block kernel in a dask task with one BLAS thread.
+
+    Workers already run one task per core; threaded BLAS inside the tasks
+    would oversubscribe them.
+    """
+    with threadpool_limits(1):
+        return fn(*args)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class _NumpyBackend:
+    """P in this process, scanned as a single chunk (BLAS may use all cores)."""
+
+    def __init__(self, P: np.ndarray):
+        self.P = P
+        self.n, self.s = P.shape
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        return np.asarray(self.P[index], dtype=np.float64)
+
+    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
+        return [_chunk_lloyd(self.P, 0, centers, n_far)]
+
+    def full_pass(self, centers: np.ndarray):
+        labels, stats = _chunk_assign(self.P, 0, centers)
+        return labels, [stats]
+
+    def close(self) -> None:
+        pass
+
+
+class _DaskBackend:
+    """Row chunks of a dask P, one task per chunk and pass on the cluster.
+
+    The chunks are computed once into worker memory and stay there for the
+    whole run; what comes back to the driver is sampled rows and per-chunk
+    summaries.  Task keys are tokens of everything a task depends on (chunk
+    key and arguments): two calls that share a key compute the same value, so
+    they never clash.
+    """
+
+    def __init__(self, P, client):
+        from ._cluster import get_client
+
+        self.client = get_client(client)
+        self.n, self.s = (int(v) for v in P.shape)
+        self.chunks = tuple(int(c) for c in P.chunks[0])
+        self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
+        self.blocks = self.client.compute(list(P.to_delayed().ravel()))
+
+    def _submit(self, name: str, fn, j: int, *args):
+        from dask.base import tokenize
+
+        block = self.blocks[j]
+        key = f"kmeans-{name}-{tokenize(block.key, *args)}"
+        return self.client.submit(_in_task, fn, block, *args, key=key)
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index, dtype=np.int64)
+        uniq, inverse = np.unique(index, return_inverse=True)
+        owner = np.searchsorted(self.offsets, uniq, side="right") - 1
+        cuts = np.searchsorted(owner, np.arange(len(self.chunks) + 1))
+        futs = [
+            self._submit("rows", _chunk_take, j, uniq[lo:hi] - self.offsets[j])
+            for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:]))
+            if hi > lo
+        ]
+        # Chunks hold contiguous row ranges: in chunk order the parts are in `uniq` order.
+        return np.concatenate(self.client.gather(futs))[inverse.ravel()]
+
+    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
+        futs = [
+            self._submit("lloyd", _chunk_lloyd, j, int(off), centers, n_far)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        return self.client.gather(futs)
+
+    def full_pass(self, centers: np.ndarray):
+        import dask.array as da
+
+        both = [
+            self._submit("assign", _chunk_assign, j, int(off), centers)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        labels = [
+            self.client.submit(operator.getitem, f, 0, key=f"{f.key}-labels") for f in both
+        ]
+        stats = self.client.gather(
+            [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-stats") for f in both]
+        )
+        labels = da.concatenate(
+            [
+                da.from_delayed(f, shape=(c,), dtype=np.int64)
+                for f, c in zip(labels, self.chunks)
+            ]
+        )
+        return labels, stats
+
+    def close(self) -> None:
+        self.blocks = None
+
+
+def _backend(P, client):
+    return _DaskBackend(P, client) if is_dask_array(P) else _NumpyBackend(P)
+
+
+def _full_pass(backend, centers: np.ndarray):
+    """Labels, inertia and per-centre counts of all rows (chunk results reduced in order)."""
+    labels, stats = backend.full_pass(centers)
+    inertia = math.fsum(st["inertia"] for st in stats)
+    counts = np.zeros(centers.shape[0], dtype=np.int64)
+    for st in stats:
+        counts += st["counts"]
+    return labels, inertia, counts
+
+
+# --------------------------------------------------------------------------- drivers
+
+
+@dataclass(frozen=True)
+class _Config:
+    n_clusters: int
+    algorithm: str
+    init: np.ndarray | None
+    batch_size: int
+    n_init: int
+    max_iter: int
+    tol: float
+    max_no_improvement: int | None
+    init_size: int
+
+
+def _initial_centers(backend, cfg: _Config, rng: np.random.Generator):
+    """Centres from k-means++ on a seeded sample of rows, and the sample's mean feature variance.
+
+    The sample is drawn by global row index, so it is the same rows whatever
+    the chunking; only those rows are fetched.
+    """
+    from sklearn.cluster import kmeans_plusplus
+
+    index = np.sort(rng.choice(backend.n, size=cfg.init_size, replace=False))
+    sample = backend.rows(index)
+    _check_finite(sample, index)
+    variance = float(np.mean(np.var(sample, axis=0)))
+    if cfg.init is not None:
+        return cfg.init.copy(), variance
+    seed = int(rng.integers(2**31 - 1))
+    centers, _ = kmeans_plusplus(sample, cfg.n_clusters, random_state=seed)
+    return np.asarray(centers, dtype=np.float64), variance
+
+
+def _reseed_starved(centers, counts, x, d2, rng: np.random.Generator) -> None:
+    """Move starved centres to batch points drawn with probability ~ squared distance.
+
+    A centre is starved when its count is below ``_REASSIGNMENT_RATIO`` of the
+    largest count (zero included).  As in scikit-learn, the fewest-count
+    centres go first, at most half a batch of them, and a re-seeded centre
+    gets the smallest count of the others so the next batch does not wipe it.
+    """
+    starved = np.flatnonzero(counts < _REASSIGNMENT_RATIO * counts.max())
+    if starved.size == 0:
+        return
+    starved = starved[np.argsort(counts[starved], kind="stable")]
+    n_new = min(starved.size, max(1, x.shape[0] // 2), np.count_nonzero(d2))
+    if n_new == 0:
+        return
+    fed = np.ones(counts.shape[0], dtype=bool)
+    fed[starved] = False
+    starved = starved[:n_new]
+    pick = rng.choice(x.shape[0], size=n_new, replace=False, p=d2 / d2.sum())
+    centers[starved] = x[pick]
+    counts[starved] = counts[fed].min()
+
+
+def _minibatch_step(x, centers, counts, rng, reseed: bool):
+    """One mini-batch step: new centres (counts updated in place) and the batch inertia."""
+    k = centers.shape[0]
+    labels, d2 = _nearest(x, centers, np.einsum("ij,ij->i", centers, centers))
+    n_j = np.bincount(labels, minlength=k)
+    hit = n_j > 0
+    total = counts[hit] + n_j[hit]
+    new = centers.copy()
+    sums = _cluster_sums(x, labels, k)
+    new[hit] = (centers[hit] * counts[hit, None] + sums[hit]) / total[:, None]
+    counts[hit] = total
+    if reseed:
+        _reseed_starved(new, counts, x, d2, rng)
+    return new, float(d2.sum())
+
+
+def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rng, report):
+    n, s = backend.n, backend.s
+    k, b = cfg.n_clusters, cfg.batch_size
+    counts = np.zeros(k)
+    alpha = min(1.0, 2.0 * b / (n + 1))
+    ewa = ewa_min = None
+    no_improvement = 0
+    since_reseed = 0
+    per_fetch = max(1, min(_PREFETCH_ROWS, _PREFETCH_BYTES // (8 * s)) // b)
+    queue: deque = deque()
+    stop = "max_iter"
+    for step in range(1, cfg.max_iter + 1):
+        if not queue:
+            m = min(per_fetch, cfg.max_iter - step + 1)
+            # One draw per step: the batches do not depend on how many are fetched at once.
+            index = np.concatenate([batch_rng.integers(0, n, size=b) for _ in range(m)])
+            rows = backend.rows(index)
+            _check_finite(rows, index)
+            queue.extend(np.split(rows, m))
+        x = queue.popleft()
+        since_reseed += b
+        reseed = bool((counts == 0).any()) or since_reseed >= 10 * k
+        if reseed:
+            since_reseed = 0
+        new, batch_inertia = _minibatch_step(x, centers, counts, reseed_rng, reseed)
+        shift = float(np.sum((new - centers) ** 2))
+        centers = new
+        mean_inertia = batch_inertia / b
+        # The first batch measures the initial centres: the average starts at step 2.
+        if step > 1:
+            ewa = mean_inertia if ewa is None else ewa * (1 - alpha) + mean_inertia * alpha
+        report(step, n * (mean_inertia if ewa is None else ewa), shift)
+        if step == 1:
+            continue
+        if cfg.tol > 0 and shift <= tol_abs:
+            stop = "tol"
+            break
+        if ewa_min is None or ewa < ewa_min:
+            ewa_min, no_improvement = ewa, 0
+        else:
+            no_improvement += 1
+        if cfg.max_no_improvement is not None and no_improvement >= cfg.max_no_improvement:
+            stop = "no_improvement"
+            break
+    return centers, step, stop
+
+
+def _relocate_empty(backend, sums, counts, parts, n_far: int) -> None:
+    """Give each empty cluster one of the points farthest from their centre.
+
+    Candidates are the global ``n_far`` farthest points (ties to the lowest
+    index), merged from the chunks' own farthest points: the same set for any
+    chunking.  A point leaves its cluster only if that cluster keeps a point.
+    An empty cluster left without a candidate keeps its centre.
+    """
+    empty = np.flatnonzero(counts == 0)
+    far_d2 = np.concatenate([p["far_d2"] for p in parts])
+    far_index = np.concatenate([p["far_index"] for p in parts])
+    far_label = np.concatenate([p["far_label"] for p in parts])
+    chosen = []
+    for i in np.lexsort((far_index, -far_d2))[:n_far]:
+        if len(chosen) == empty.size:
+            break
+        if far_d2[i] > 0 and counts[far_label[i]] > 1:
+            counts[far_label[i]] -= 1
+            chosen.append(i)
+    if not chosen:
+        return
+    rows = backend.rows(far_index[chosen])
+    for j, i, row in zip(empty, chosen, rows):
+        sums[far_label[i]] -= row
+        sums[j] = row
+        counts[j] = 1
+
+
+def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report):
+    k, s = centers.shape
+    stop = "max_iter"
+    for it in range(1, cfg.max_iter + 1):
+        parts = backend.lloyd_pass(centers, k)
+        sums = np.zeros((k, s))
+        counts = np.zeros(k, dtype=np.int64)
+        for part in parts:  # chunk order, whatever worker answered first
+            sums += part["sums"]
+            counts += part["counts"]
+        if (counts == 0).any():
+            _relocate_empty(backend, sums, counts, parts, k)
+        new = centers.copy()
+        full = counts > 0
+        new[full] = sums[full] / counts[full, None]
+        shift = float(np.sum((new - centers) ** 2))
+        centers = new
+        report(it, math.fsum(p["inertia"] for p in parts), shift)
+        if shift <= tol_abs:
+            stop = "tol"
+            break
+    return centers, it, stop
+
+
+def _fit(backend, cfg: _Config, random_state, progress) -> KMeansResult:
+    start = time.perf_counter()
+    rng = np.random.default_rng(random_state)
+    seeds = rng.integers(np.iinfo(np.int64).max, size=cfg.n_init)
+    inertias: list[float] = []
+    n_steps_total = 0
+    best = None
+    for restart, seed in enumerate(seeds):
+        init_ss, batch_ss, reseed_ss = np.random.SeedSequence(int(seed)).spawn(3)
+        centers, variance = _initial_centers(backend, cfg, np.random.default_rng(init_ss))
+        tol_abs = cfg.tol * variance
+
+        def report(step, inertia, shift, restart=restart):
+            if progress is not None:
+                progress(
+                    KMeansProgress(
+                        restart=restart, n_init=cfg.n_init, step=step, max_iter=cfg.max_iter,
+                        inertia=float(inertia), center_shift=shift,
+                        elapsed=time.perf_counter() - start,
+                    )
+                )
+
+        if cfg.algorithm == "lloyd":
+            centers, n_iter, stop = _run_lloyd(backend, centers, cfg, tol_abs, report)
+        else:
+            centers, n_iter, stop = _run_minibatch(
+                backend, centers, cfg, tol_abs,
+                np.random.default_rng(batch_ss), np.random.default_rng(reseed_ss), report,
+            )
+        n_steps_total += n_iter
+        labels, inertia, counts = _full_pass(backend, centers)
+        inertias.append(inertia)
+        logger.info(
+            "k-means (%s) run %d/%d: %d steps, stop: %s, inertia %.6e",
+            cfg.algorithm, restart + 1, cfg.n_init, n_iter, stop, inertia,
+        )
+        if best is None or inertia < best[2] * (1 - _TIE_RTOL):
+            best = (centers, labels, inertia, n_iter, stop, counts)
+    centers, labels, inertia, n_iter, stop, counts = best
+    n_found = int(np.count_nonzero(counts))
+    if n_found < cfg.n_clusters:
+        warnings.warn(
+            f"only {n_found} of n_clusters={cfg.n_clusters} clusters have points: P has too "
+            "few distinct rows for that many clusters.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return KMeansResult(
+        cluster_centers=centers,
+        labels=labels,
+        inertia=inertia,
+        n_iter=n_iter,
+        n_steps_total=n_steps_total,
+        inertias=inertias,
+        stop_reason=stop,
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_centers(centers, n_clusters: int | None, n_features: int, name: str) -> np.ndarray:
+    c = np.asarray(centers)
+    if c.ndim != 2 or (n_clusters is not None and c.shape[0] != n_clusters) or (
+        c.shape[1] != n_features
+    ):
+        want = f"({n_clusters}, {n_features})" if n_clusters else f"(n_clusters, {n_features})"
+        raise ValueError(f"{name} has shape {c.shape}; it should be {want}.")
+    if c.shape[0] == 0:
+        raise ValueError(f"{name} is empty: it needs at least one centre.")
+    if c.dtype.kind not in "biuf" or not np.isfinite(c).all():
+        raise ValueError(f"{name} must hold finite real numbers.")
+    return np.array(c, dtype=np.float64)
+
+
+def _check_config(
+    n, s, n_clusters, algorithm, init, batch_size, n_init, max_iter, tol,
+    max_no_improvement, init_size, progress,
+) -> _Config:
+    k = check_positive_int(n_clusters, "n_clusters")
+    if k > n:
+        raise ValueError(f"n_samples={n} should be >= n_clusters={k}.")
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        valid = ", ".join(repr(a) for a in ALGORITHMS)
+        raise ValueError(f"algorithm={algorithm!r} is not supported; choose one of {valid}.")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    n_init = check_positive_int(n_init, "n_init")
+    max_iter = check_positive_int(max_iter, "max_iter")
+    if (
+        isinstance(tol, bool)
+        or not isinstance(tol, numbers.Real)
+        or not (math.isfinite(tol) and tol >= 0)
+    ):
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}.")
+    if max_no_improvement is not None:
+        max_no_improvement = check_positive_int(max_no_improvement, "max_no_improvement")
+    if init_size is None:
+        init_size = max(3 * batch_size, 10 * k)
+    else:
+        init_size = check_positive_int(init_size, "init_size")
+        if init_size < k:
+            raise ValueError(f"init_size={init_size} should be >= n_clusters={k}.")
+    if isinstance(init, str):
+        if init != "k-means++":
+            raise ValueError(
+                f"init={init!r} is not supported; pass 'k-means++' or an array of centres."
+            )
+        centers = None
+    else:
+        centers = _check_centers(init, k, s, "init")
+        # Every run would start from the same centres: one run is all there is.
+        n_init = 1
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable or None, got {type(progress).__name__}.")
+    return _Config(
+        n_clusters=k,
+        algorithm=algorithm,
+        init=centers,
+        batch_size=min(batch_size, n),
+        n_init=n_init,
+        max_iter=max_iter,
+        tol=float(tol),
+        max_no_improvement=max_no_improvement,
+        init_size=min(init_size, n),
+    )
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def kmeans(
+    P,
+    n_clusters: int,
+    *,
+    algorithm: str = "minibatch",
+    init: str | np.ndarray = "k-means++",
+    batch_size: int = 1024,
+    n_init: int = 3,
+    max_iter: int = 100,
+    tol: float = 1e-4,
+    max_no_improvement: int | None = 10,
+    init_size: int | None = None,
+    random_state: int | np.random.Generator | None = None,
+    client=None,
+    progress: Callable[[KMeansProgress], None] | None = None,
+) -> KMeansResult:
+    """K-means on the rows of P, in memory or on a dask cluster.
+
+    Each run starts from k-means++ on a seeded sample of ``init_size`` rows
+    (drawn by global row index; only those rows are fetched), then
+
+    * ``algorithm="minibatch"`` (Sculley 2010, as scikit-learn's
+      ``MiniBatchKMeans``): each step draws ``batch_size`` row indices with
+      replacement, fetches those rows, assigns them to the nearest centre and
+      moves each centre ``j`` to ``(c_j v_j + S_j) / (v_j + n_j)``, where
+      ``v_j`` counts the points it has received so far and ``n_j``, ``S_j``
+      are the count and sum of its batch points.  The rows of several future
+      steps are fetched in one request (about 64k rows).  A centre whose
+      count stays below ``1e-3`` times the largest (or at zero) is re-seeded
+      at a batch point drawn with probability proportional to the point's
+      squared distance to its centre.
+    * ``algorithm="lloyd"``: full-batch Lloyd, one pass over P per iteration.
+      An empty cluster takes the point farthest from its centre (found from
+      each chunk's few farthest points); a centre is never set to zero.
+
+    The run with the lowest inertia, measured by a full pass over P, is kept,
+    together with that pass's labels.  The result depends on ``random_state``
+    only: not on the number of workers nor on the chunking of P (up to
+    rounding in Lloyd's sums).
+
+    Parameters
+    ----------
+    P : ndarray or dask array of shape (n_samples, n_features)
+        The rows to cluster.  A dask array is used chunked by rows (column
+        blocks are merged first); its chunks are computed once into worker
+        memory and never gathered: the driver only receives sampled rows and
+        per-chunk summaries.
+    n_clusters : int
+        Number of clusters ``k``, ``1 <= k <= n_samples``.
+    algorithm : {"minibatch", "lloyd"}, default="minibatch"
+    init : "k-means++" or ndarray of shape (n_clusters, n_features)
+        Initial centres.  With an array, there is a single run (``n_init`` is
+        not used); the init sample is still drawn to scale ``tol``.
+    batch_size : int, default=1024
+        Rows per mini-batch step (at most ``n_samples``).  Also sets the
+        default ``init_size``.
+    n_init : int, default=3
+        Number of runs, each from its own k-means++ initialisation.
+    max_iter : int, default=100
+        Largest number of mini-batch *steps* (batches, not epochs as in
+        scikit-learn's ``MiniBatchKMeans``) or Lloyd *iterations* (passes
+        over P) per run.
+    tol : float, default=1e-4
+        Stop a run when the sum of the squared movements of the centres in a
+        step is ``<= tol * v``, where ``v`` is the mean variance of the
+        features on the init sample: ``tol`` is relative, so rescaling P does
+        not change the result.  Mini-batch ignores it at 0; Lloyd with
+        ``tol=0`` stops when the centres no longer move.
+    max_no_improvement : int or None, default=10
+        Mini-batch only: stop when the exponentially weighted batch inertia
+        has not improved for this many consecutive steps (None: never).
+    init_size : int, optional
+        Rows sampled for k-means++ and for the variance that scales ``tol``.
+        Default ``max(3 * batch_size, 10 * n_clusters)``; at most
+        ``n_samples``.
+    random_state : int, numpy Generator or None
+        Seed of every random choice (samples, batches, re-seeding), all drawn
+        on the driver.
+    client : distributed.Client or str, optional
+        Cluster for a dask P (default: the current client).  Unused for numpy.
+    progress : callable, optional
+        Called with a :class:`KMeansProgress` after each step or iteration.
+
+    Returns
+    -------
+    KMeansResult
+
+    Raises
+    ------
+    ValueError
+        For an invalid parameter (the message names it and its value) or a
+        P holding NaN or infinity.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dkicf.kmeans import kmeans
+    >>> rng = np.random.default_rng(0)
+    >>> P = np.concatenate([rng.normal(c, 0.1, size=(100, 2)) for c in (0.0, 5.0)])
+    >>> res = kmeans(P, 2, random_state=0)
+    >>> res.cluster_centers.shape
+    (2, 2)
+    >>> np.bincount(res.labels).tolist()
+    [100, 100]
+
+    On a cluster, with P a dask array chunked by rows, the labels stay
+    distributed:
+
+    >>> import dask.array as da  # doctest: +SKIP
+    >>> from dkicf import local_cluster  # doctest: +SKIP
+    >>> client = local_cluster(2)  # doctest: +SKIP
+    >>> res = kmeans(da.from_array(P, chunks=(50, 2)), 2, random_state=0)  # doctest: +SKIP
+    >>> res.labels.chunks  # doctest: +SKIP
+    ((50, 50, 50, 50),)
+    """
+    P = check_array_2d(P, "P")
+    n, s = P.shape
+    cfg = _check_config(
+        n, s, n_clusters, algorithm, init, batch_size, n_init, max_iter, tol,
+        max_no_improvement, init_size, progress,
+    )
+    backend = _backend(P, client)
+    try:
+        return _fit(backend, cfg, random_state, progress)
+    finally:
+        backend.close()
+
+
+def assign(P, centers, *, client=None) -> tuple[Any, float]:
+    """Nearest centre of every row of P and the inertia: one full pass.
+
+    Parameters
+    ----------
+    P : ndarray or dask array of shape (n_samples, n_features)
+        As in :func:`kmeans`.
+    centers : array-like of shape (n_clusters, n_features)
+    client : distributed.Client or str, optional
+        Cluster for a dask P (default: the current client).
+
+    Returns
+    -------
+    labels : ndarray or dask array of shape (n_samples,)
+        int64; a dask array chunked like P's rows for a dask P.
+    inertia : float
+        Sum of the squared distances of the rows to their nearest centre.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dkicf.kmeans import assign
+    >>> labels, inertia = assign(np.array([[0.0], [1.0], [10.0]]), np.array([[0.0], [10.0]]))
+    >>> labels.tolist(), inertia
+    ([0, 0, 1], 1.0)
+    """
+    P = check_array_2d(P, "P")
+    centers = _check_centers(centers, None, P.shape[1], "centers")
+    backend = _backend(P, client)
+    try:
+        labels, inertia, _ = _full_pass(backend, centers)
+    finally:
+        backend.close()
+    return labels, inertia

@@ -1,0 +1,291 @@
+"""Tests of dkicf.kmeans: exact recovery, a numpy Lloyd reference, numpy/dask agreement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose, assert_array_equal
+from sklearn.metrics import adjusted_rand_score
+
+from dkicf.kmeans import KMeansProgress, KMeansResult, assign, kmeans
+
+ALGORITHMS = ("minibatch", "lloyd")
+UNEVEN = (113, 250, 7, 330)  # 700 rows in 4 uneven chunks
+
+
+@pytest.fixture(scope="module")
+def km_client():
+    from dkicf._cluster import local_cluster
+
+    client = local_cluster(2, 1)
+    yield client
+    cluster = client.cluster
+    client.close()
+    cluster.close()
+
+
+def blobs(sizes=(60, 80, 100, 70), spread=1.0, seed=0):
+    """Points within ``spread`` (per coordinate) of hand-placed centres 10 apart, shuffled."""
+    centres = np.array([[5.0, 5.0, 5.0], [15.0, 5.0, 5.0], [5.0, 15.0, 5.0], [5.0, 5.0, 15.0]])
+    rng = np.random.default_rng(seed)
+    y = np.repeat(np.arange(len(sizes)), sizes)
+    X = centres[y] + rng.uniform(-spread, spread, size=(y.size, 3))
+    order = rng.permutation(y.size)
+    return X[order], y[order]
+
+
+def overlapping(n=700, seed=1):
+    """Gaussian data with no clear clusters: many rows near decision boundaries."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 3)) * np.array([3.0, 2.0, 1.0])
+
+
+def sq_inertia(X, centers, labels):
+    return float(((X - centers[labels]) ** 2).sum())
+
+
+def numpy_lloyd(X, C, max_iter):
+    """Textbook Lloyd that stops when the centres stop moving."""
+    it = 0
+    while it < max_iter:
+        it += 1
+        labels = ((X[:, None, :] - C[None, :, :]) ** 2).sum(axis=2).argmin(axis=1)
+        assert np.unique(labels).size == C.shape[0], "reference hit an empty cluster"
+        new = np.array([X[labels == j].mean(axis=0) for j in range(C.shape[0])])
+        shift = ((new - C) ** 2).sum()
+        C = new
+        if shift == 0:
+            break
+    labels = ((X[:, None, :] - C[None, :, :]) ** 2).sum(axis=2).argmin(axis=1)
+    return C, labels, it
+
+
+def as_dask(X, chunks):
+    import dask.array as da
+
+    return da.from_array(X, chunks=(chunks, X.shape[1]))
+
+
+def from_futures(client, X, chunks):
+    import dask.array as da
+
+    bounds = np.cumsum((0,) + tuple(chunks))
+    # hash=False: fresh keys, not ones a previous test has just released.
+    parts = client.scatter([X[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])], hash=False)
+    return da.concatenate(
+        [da.from_delayed(f, shape=(hi - lo, X.shape[1]), dtype=X.dtype)
+         for f, lo, hi in zip(parts, bounds[:-1], bounds[1:])]
+    )
+
+
+# --------------------------------------------------------------------------- numpy input
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_recovers_separated_blobs(algorithm):
+    X, y = blobs()
+    res = kmeans(X, 4, algorithm=algorithm, batch_size=64, random_state=0)
+    assert isinstance(res, KMeansResult)
+    assert isinstance(res.labels, np.ndarray)
+    assert res.labels.dtype == np.int64 and res.labels.shape == (X.shape[0],)
+    assert res.cluster_centers.shape == (4, 3) and res.cluster_centers.dtype == np.float64
+    assert adjusted_rand_score(y, res.labels) == 1.0
+    means = np.array([X[res.labels == j].mean(axis=0) for j in range(4)])
+    # Lloyd ends at the cluster means; mini-batch near them.
+    assert_allclose(res.cluster_centers, means, atol=1e-9 if algorithm == "lloyd" else 0.3)
+    assert res.inertia == min(res.inertias) and len(res.inertias) == 3
+
+
+@pytest.mark.parametrize("max_iter", [2, 100])
+def test_lloyd_matches_numpy_reference(max_iter):
+    X = overlapping(300)
+    init = X[:6].copy()
+    ref_centers, ref_labels, ref_iter = numpy_lloyd(X, init, max_iter)
+    res = kmeans(X, 6, algorithm="lloyd", init=init, tol=0.0, max_iter=max_iter)
+    assert ref_iter == max_iter or ref_iter > 3  # the comparison covers several iterations
+    assert res.n_iter == ref_iter
+    assert res.stop_reason == ("max_iter" if max_iter == 2 else "tol")
+    assert_allclose(res.cluster_centers, ref_centers, rtol=1e-12, atol=1e-12)
+    assert_array_equal(res.labels, ref_labels)
+    assert_allclose(res.inertia, sq_inertia(X, ref_centers, ref_labels), rtol=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_inertia_is_sum_of_squared_distances(algorithm):
+    X = overlapping(400)
+    res = kmeans(X, 5, algorithm=algorithm, batch_size=50, random_state=3)
+    d2 = ((X[:, None, :] - res.cluster_centers[None, :, :]) ** 2).sum(axis=2)
+    assert_array_equal(res.labels, d2.argmin(axis=1))
+    assert_allclose(res.inertia, d2.min(axis=1).sum(), rtol=1e-12)
+    labels, inertia = assign(X, res.cluster_centers)
+    assert_array_equal(labels, res.labels)
+    assert inertia == res.inertia
+
+
+def test_assign_toy_case():
+    labels, inertia = assign(np.array([[0.0], [2.0], [10.0]]), np.array([[0.0], [10.0]]))
+    assert labels.tolist() == [0, 0, 1]
+    assert inertia == 4.0  # squared: 2**2, not 2
+
+
+def test_tol_is_relative_to_the_data_scale():
+    X = overlapping(600)
+    kw = dict(n_clusters=4, batch_size=40, tol=1e-2, max_no_improvement=None, random_state=5)
+    small = kmeans(X, **kw)
+    large = kmeans(X * 1024.0, **kw)  # a power of two: every operation scales exactly
+    assert small.stop_reason == large.stop_reason == "tol"
+    assert small.n_iter == large.n_iter
+    assert_array_equal(small.labels, large.labels)
+    assert_allclose(large.cluster_centers, small.cluster_centers * 1024.0, rtol=1e-12)
+
+
+def test_max_iter_counts_steps_and_progress_reports_each():
+    X = overlapping(300)
+    seen: list[KMeansProgress] = []
+    res = kmeans(
+        X, 3, batch_size=20, n_init=2, max_iter=7, tol=0.0, max_no_improvement=None,
+        random_state=0, progress=seen.append,
+    )
+    assert res.n_iter == 7 and res.n_steps_total == 14 and res.stop_reason == "max_iter"
+    assert [(p.restart, p.step) for p in seen] == [(r, s) for r in range(2) for s in range(1, 8)]
+    assert all(p.max_iter == 7 and p.n_init == 2 and p.inertia > 0 for p in seen)
+
+
+def test_same_random_state_same_result_and_seeds_differ():
+    X = overlapping(300)
+    a = kmeans(X, 4, batch_size=30, random_state=7)
+    b = kmeans(X, 4, batch_size=30, random_state=np.random.default_rng(7))
+    assert_array_equal(a.cluster_centers, b.cluster_centers)
+    assert_array_equal(a.labels, b.labels)
+    assert a.inertias == b.inertias
+    assert len(set(a.inertias)) == 3  # the runs start from different initialisations
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_empty_cluster_is_reseeded(algorithm):
+    X, y = blobs(sizes=(100, 100, 100, 100))
+    X, y = X[y < 3], y[y < 3]
+    far = np.array([[1000.0, 1000.0, 1000.0]])
+    init = np.concatenate([X[y == 0][:1], X[y == 1][:1], far])
+    res = kmeans(X, 3, algorithm=algorithm, init=init, batch_size=32, random_state=0)
+    c = res.cluster_centers
+    assert np.isfinite(c).all()
+    assert not (c == 0).all(axis=1).any()
+    assert np.abs(c).max() < 100  # the far centre moved into the data
+    assert (np.bincount(res.labels, minlength=3) > 0).all()
+    assert adjusted_rand_score(y, res.labels) == 1.0
+
+
+def test_too_few_distinct_rows_warns():
+    X = np.repeat(np.array([[0.0, 0.0], [1.0, 1.0]]), 10, axis=0)
+    with pytest.warns(RuntimeWarning, match="only 2 of n_clusters=3 clusters have points"):
+        res = kmeans(X, 3, algorithm="lloyd", n_init=1, random_state=0)
+    assert np.isfinite(res.cluster_centers).all()
+    assert res.inertia == 0.0
+
+
+X5 = np.arange(10.0).reshape(5, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(n_clusters=8), ValueError, r"n_samples=5 should be >= n_clusters=8\."),
+        (dict(n_clusters=0), ValueError, r"n_clusters must be >= 1, got 0\."),
+        (dict(n_clusters=2.5), TypeError, r"n_clusters must be an integer, got 2\.5"),
+        (dict(batch_size=0), ValueError, r"batch_size must be >= 1, got 0\."),
+        (dict(n_init=0), ValueError, r"n_init must be >= 1, got 0\."),
+        (dict(max_iter=0), ValueError, r"max_iter must be >= 1, got 0\."),
+        (dict(tol=-1e-3), ValueError, r"tol must be a finite number >= 0, got -0\.001\."),
+        (dict(tol=float("nan")), ValueError, r"tol must be a finite number >= 0, got nan\."),
+        (
+            dict(algorithm="elkan"),
+            ValueError,
+            r"algorithm='elkan' is not supported; choose one of 'lloyd', 'minibatch'\.",
+        ),
+        (dict(max_no_improvement=0), ValueError, r"max_no_improvement must be >= 1, got 0\."),
+        (dict(init_size=1), ValueError, r"init_size=1 should be >= n_clusters=2\."),
+        (dict(init="random"), ValueError, r"init='random' is not supported"),
+        (
+            dict(init=np.zeros((3, 2))),
+            ValueError,
+            r"init has shape \(3, 2\); it should be \(2, 2\)\.",
+        ),
+        (dict(progress=3), TypeError, r"progress must be callable or None, got int\."),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    kwargs = {"n_clusters": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        kmeans(X5, **kwargs)
+
+
+def test_bad_input_arrays():
+    with pytest.raises(ValueError, match=r"P must be 2-D"):
+        kmeans(np.zeros(5), 2)
+    X = X5.copy()
+    X[3, 1] = np.nan
+    with pytest.raises(ValueError, match=r"P contains NaN or infinity: first at row 3"):
+        kmeans(X, 2)
+    bad = r"centers has shape \(2, 3\); it should be \(n_clusters, 2\)\."
+    with pytest.raises(ValueError, match=bad):
+        assign(X5, np.zeros((2, 3)))
+
+
+# --------------------------------------------------------------------------- dask input
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_numpy_and_dask_agree(km_client, algorithm):
+    import dask.array as da
+
+    X = overlapping(sum(UNEVEN))
+    kw = dict(algorithm=algorithm, batch_size=50, max_iter=30, random_state=11)
+    ref = kmeans(X, 5, **kw)
+    res = kmeans(as_dask(X, UNEVEN), 5, client=km_client, **kw)
+    assert isinstance(res.labels, da.Array)
+    assert res.labels.chunks == (UNEVEN,) and res.labels.dtype == np.int64
+    assert_array_equal(res.labels.compute(), ref.labels)
+    assert_allclose(res.cluster_centers, ref.cluster_centers, rtol=1e-12, atol=1e-12)
+    assert_allclose(res.inertias, ref.inertias, rtol=1e-12)
+    assert (res.n_iter, res.n_steps_total) == (ref.n_iter, ref.n_steps_total)
+    labels, inertia = assign(as_dask(X, UNEVEN), res.cluster_centers, client=km_client)
+    assert_array_equal(labels.compute(), ref.labels)
+    assert_allclose(inertia, ref.inertia, rtol=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_chunkings_agree(km_client, algorithm):
+    X = overlapping(sum(UNEVEN))
+    kw = dict(algorithm=algorithm, batch_size=50, max_iter=15, n_init=2, random_state=2)
+    inputs = [
+        as_dask(X, (350, 350)),
+        as_dask(X, (1, 99, 200, 400)),
+        from_futures(km_client, X, UNEVEN),
+    ]
+    results = [kmeans(P, 5, client=km_client, **kw) for P in inputs]
+    first = results[0]
+    for P, res in zip(inputs[1:], results[1:]):
+        assert res.labels.chunks == (P.chunks[0],)
+        assert_array_equal(res.labels.compute(), first.labels.compute())
+        assert_allclose(res.cluster_centers, first.cluster_centers, rtol=1e-12, atol=1e-12)
+        assert res.n_iter == first.n_iter
+
+
+def test_dask_empty_cluster_matches_numpy(km_client):
+    X, y = blobs(sizes=(100, 100, 100, 100))
+    init = np.concatenate([X[y == 0][:1], X[y == 1][:1], [[1000.0] * 3, [-1000.0] * 3]])
+    ref = kmeans(X, 4, algorithm="lloyd", init=init)
+    res = kmeans(as_dask(X, (90, 150, 60, 100)), 4, algorithm="lloyd", init=init, client=km_client)
+    # Both empty clusters take far points (here of the same blob): a local optimum, not 4 blobs.
+    assert (np.bincount(ref.labels, minlength=4) > 0).all()
+    assert np.abs(ref.cluster_centers).max() < 100
+    assert_array_equal(res.labels.compute(), ref.labels)
+    assert_allclose(res.cluster_centers, ref.cluster_centers, rtol=1e-12, atol=1e-12)
+
+
+def test_dask_nan_names_the_global_row(km_client):
+    X = overlapping(40)
+    X[27, 0] = np.inf
+    with pytest.raises(ValueError, match=r"P contains NaN or infinity: first at row 27"):
+        assign(as_dask(X, (10, 15, 15)), np.zeros((2, 3)), client=km_client)
