@@ -1,0 +1,502 @@
+"""The ``dkicf`` command line: argument parsing, progress bars and error reporting.
+
+Every computing command runs on a LocalCluster that dkicf starts itself
+(127.0.0.1 only, no dashboard unless ``--dashboard``), on an existing
+scheduler (``--scheduler``), or on a cluster it creates on Kubernetes or a
+batch system (``--cluster``).  Usage errors exit with status 2 and one line
+on stderr; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger("dkicf")
+
+
+class UsageError(Exception):
+    """A problem with the command's input that the user can fix (exit status 2)."""
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _storage_options(values: list[str] | None, config: str | None) -> dict:
+    opts: dict = {}
+    if config:
+        try:
+            opts.update(json.loads(Path(config).read_text()))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read --storage-options-file {config}: {exc}") from None
+    for item in values or []:
+        if "=" not in item:
+            raise UsageError(f"--storage-option expects key=value, got {item!r}.")
+        key, value = item.split("=", 1)
+        try:
+            opts[key] = json.loads(value)
+        except ValueError:
+            opts[key] = value
+    return opts
+
+
+def _add_storage(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("storage")
+    g.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec option for remote stores (repeatable; values parsed as JSON)")
+    g.add_argument("--storage-options-file", metavar="JSON",
+                   help="JSON file of fsspec storage options")
+
+
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--scheduler", metavar="ADDRESS",
+                   help="connect to an existing scheduler (tcp://host:port or tls://host:port)")
+    g.add_argument("--scheduler-file", metavar="FILE",
+                   help="connect to the scheduler described by this file")
+    g.add_argument("--cluster", choices=["local", "kubernetes", "slurm", "pbs"], default="local",
+                   help="cluster to start when no scheduler is given (default: local)")
+    g.add_argument("--workers", type=int, default=2, help="local workers (default: 2)")
+    g.add_argument("--threads", type=int, default=1, help="threads per local worker (default: 1)")
+    g.add_argument("--memory-limit", default="auto",
+                   help="memory limit per local worker, e.g. 4GiB (default: auto)")
+    g.add_argument("--dashboard", action="store_true",
+                   help="serve the dask dashboard (on 127.0.0.1 only)")
+    g.add_argument("--tls-ca-file", help="CA certificate for tls:// schedulers")
+    g.add_argument("--tls-cert", help="client certificate for tls:// schedulers")
+    g.add_argument("--tls-key", help="client private key for tls:// schedulers")
+    g.add_argument("--jobs", type=int, default=1, help="batch jobs (slurm/pbs)")
+    g.add_argument("--cores", type=int, default=2, help="cores per job (slurm/pbs)")
+    g.add_argument("--memory", default="8GiB", help="memory per job (slurm/pbs)")
+    g.add_argument("--walltime", default="01:00:00", help="walltime per job (slurm/pbs)")
+    g.add_argument("--queue", default=None, help="queue or partition (slurm/pbs)")
+    g.add_argument("--image", default=None, help="container image (kubernetes)")
+    g.add_argument("--timeout", type=float, default=20.0,
+                   help="seconds to wait for a scheduler (default: 20)")
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="output Zarr group (path or fsspec URL)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output (never deleted before the new one is complete)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _gamma(text: str):
+    if text == "median":
+        return "median"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number, a power like 2^-6, or 'median', got {text!r}"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"gamma must be > 0, got {text}")
+    return value
+
+
+def _gamma_arg(text: str):
+    # Accept the paper's notation 2^-6 as well as plain numbers.
+    if "^" in text:
+        base, _, exp = text.partition("^")
+        try:
+            return float(base) ** float(exp)
+        except ValueError:
+            pass
+    return _gamma(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="dkicf",
+        description="Kernel k-means on an incomplete Cholesky factorization, on dask.",
+    )
+    parser.add_argument("--version", action="version", version=f"dkicf {__version__}")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("convert", help="convert .npy/.npz/.csv/svmlight/Parquet to Zarr")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--chunk-rows", type=_positive_int)
+    p.add_argument("--label-column", help="name or index of the label column (csv, Parquet)")
+    p.add_argument("--overwrite", action="store_true")
+    _add_storage(p)
+
+    p = sub.add_parser("generate", help="write a synthetic dataset to Zarr, chunk by chunk")
+    p.add_argument("kind", choices=["ring", "parabolic", "zigzag", "blobs", "spheres"])
+    p.add_argument("dst")
+    p.add_argument("--n", type=_positive_int, required=True, help="number of points")
+    p.add_argument("--features", type=_positive_int, help="dimensions (blobs, spheres)")
+    p.add_argument("--classes", type=_positive_int, help="clusters (blobs, spheres)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    p.add_argument("--chunk-rows", type=_positive_int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    _add_storage(p)
+
+    p = sub.add_parser("fit", help="cluster a Zarr dataset and write the model and labels")
+    p.add_argument("store", help="Zarr dataset (group with X, or an array)")
+    p.add_argument("--clusters", type=_positive_int, required=True, help="number of clusters k")
+    p.add_argument("--kernel", default="gaussian",
+                   choices=["gaussian", "rbf", "laplacian", "polynomial", "linear"])
+    p.add_argument("--gamma", type=_gamma_arg, default="median",
+                   help="kernel width (number, 2^e, or 'median'; default: median)")
+    p.add_argument("--degree", type=_positive_int, default=3)
+    p.add_argument("--coef0", type=float, default=1.0)
+    p.add_argument("--rank", type=_positive_int, default=100, help="rank s (default: 100)")
+    p.add_argument("--tol", type=float, default=1e-3, help="trace-error tolerance (default: 1e-3)")
+    p.add_argument("--algorithm", choices=["minibatch", "lloyd"], default="minibatch")
+    p.add_argument("--batch-size", type=_positive_int, default=1024)
+    p.add_argument("--n-init", type=_positive_int, default=3)
+    p.add_argument("--max-iter", type=_positive_int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--p-storage", choices=["auto", "memory", "zarr"], default="auto",
+                   help="keep P in worker memory or write it to Zarr beside the output")
+    p.add_argument("--persist", choices=["auto", "yes", "no"], default="auto",
+                   help="hold X in worker memory (default: when it fits)")
+    _add_output(p)
+    _add_cluster(p)
+    _add_storage(p)
+
+    p = sub.add_parser("predict", help="assign the points of a Zarr dataset with a saved model")
+    p.add_argument("model")
+    p.add_argument("store")
+    _add_output(p)
+    _add_cluster(p)
+    _add_storage(p)
+
+    p = sub.add_parser("info", help="describe a dataset or a model")
+    p.add_argument("path")
+    p.add_argument("--rank", type=_positive_int, default=100,
+                   help="rank used for the memory estimate of a fit (default: 100)")
+    _add_storage(p)
+
+    p = sub.add_parser("plot", help="write PNG plots of a model")
+    p.add_argument("model")
+    p.add_argument("--data", help="the dataset, for the scatter plot of 2-D data")
+    p.add_argument("--out-dir", default=".", help="folder for the PNGs (default: .)")
+    _add_storage(p)
+
+    p = sub.add_parser("demo", help="generate the Ring at 1e6 points, cluster it, report")
+    p.add_argument("--n", type=_positive_int, default=1_000_000)
+    p.add_argument("--rank", type=_positive_int, default=50)
+    p.add_argument("--workdir", default="dkicf-demo", help="folder for data, model and plot")
+    p.add_argument("--overwrite", action="store_true")
+    _add_cluster(p)
+
+    return parser
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """tqdm bars on stderr for the factorization and k-means (silent with --quiet)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.bar = None
+        self.kind = None
+
+    def __call__(self, info) -> None:
+        if self.quiet:
+            return
+        from tqdm.auto import tqdm
+
+        kind = type(info).__name__
+        if kind == "ICFProgress":
+            if self.kind != "icf":
+                self.close()
+                self.bar = tqdm(total=info.max_rank, desc="factorization", unit="col",
+                                file=sys.stderr, dynamic_ncols=True)
+                self.kind = "icf"
+            self.bar.update(info.rank - self.bar.n)
+            self.bar.set_postfix(trace_error=f"{info.trace_error:.3e}", passes=info.n_passes,
+                                 refresh=False)
+        else:
+            total = getattr(info, "max_iter", None)
+            if self.kind != "kmeans":
+                self.close()
+                self.bar = tqdm(total=total, desc="k-means", unit="step", file=sys.stderr,
+                                dynamic_ncols=True)
+                self.kind = "kmeans"
+            step = getattr(info, "step", None)
+            if step is not None and total:
+                self.bar.update(max(0, min(step, total) - self.bar.n))
+            inertia = getattr(info, "inertia", None)
+            if inertia is not None:
+                self.bar.set_postfix(inertia=f"{inertia:.4g}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+            self.kind = None
+
+
+def _rows_bar(desc: str):
+    """A progress callback for row-by-row writers: called with (rows_done, rows_total)."""
+    from tqdm.auto import tqdm
+
+    state = {}
+
+    def update(done, total=None):
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = tqdm(total=total, desc=desc, unit="row", unit_scale=True,
+                                      file=sys.stderr, dynamic_ncols=True)
+        bar.update(done - bar.n)
+        if total is not None and done >= total:
+            bar.close()
+
+    return update
+
+
+# ---------------------------------------------------------------------------- cluster
+
+
+@contextlib.contextmanager
+def _cluster(args):
+    """Yield a client for the command, closing whatever this command started."""
+    from . import deploy
+
+    security = None
+    if args.tls_ca_file or args.tls_cert or args.tls_key:
+        security = deploy.make_security(args.tls_ca_file, args.tls_cert, args.tls_key)
+    if args.scheduler or args.scheduler_file:
+        target = args.scheduler
+        if args.scheduler_file:
+            from distributed import Client
+
+            client = Client(scheduler_file=args.scheduler_file, security=security,
+                            timeout=args.timeout)
+        else:
+            client = deploy.connect(target, security=security, timeout=args.timeout)
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    options = {}
+    if args.cluster == "local":
+        options = dict(n_workers=args.workers, threads_per_worker=args.threads,
+                       memory_limit=args.memory_limit, dashboard=args.dashboard)
+    elif args.cluster in ("slurm", "pbs"):
+        options = dict(jobs=args.jobs, cores=args.cores, memory=args.memory,
+                       walltime=args.walltime, queue=args.queue)
+    else:
+        options = dict(n_workers=args.workers, memory_limit=args.memory_limit)
+        if args.image:
+            options["image"] = args.image
+    client, cluster = deploy.start_cluster(args.cluster, **options)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def _cmd_convert(args) -> int:
+    from . import io
+
+    info = io.convert(
+        args.src, args.dst, dtype=args.dtype, chunk_rows=args.chunk_rows,
+        overwrite=args.overwrite, label_column=args.label_column,
+        storage_options=_storage_options(args.storage_option, args.storage_options_file),
+        progress=None if args.quiet else _rows_bar("convert"),
+    )
+    print(f"wrote {args.dst}: {_describe(info)}")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from . import io
+
+    params = {}
+    if args.kind in ("blobs", "spheres"):
+        if args.features:
+            params["n_features"] = args.features
+        if args.classes:
+            params["centers" if args.kind == "blobs" else "shells"] = args.classes
+    elif args.features not in (None, 2) or args.classes not in (None, 2):
+        raise UsageError(
+            f"{args.kind} is a 2-D set of 2 classes; --features and --classes apply to "
+            "blobs and spheres."
+        )
+    info = io.generate(
+        args.kind, args.dst, args.n, chunk_rows=args.chunk_rows, dtype=args.dtype,
+        random_state=args.seed, overwrite=args.overwrite,
+        storage_options=_storage_options(args.storage_option, args.storage_options_file),
+        progress=None if args.quiet else _rows_bar("generate"),
+        **params,
+    )
+    print(f"wrote {args.dst}: {_describe(info)}")
+    return 0
+
+
+def _describe(info: dict) -> str:
+    parts = []
+    for key in ("shape", "chunks", "dtype", "n_classes"):
+        if key in info:
+            parts.append(f"{key}={info[key]}")
+    return ", ".join(parts) if parts else json.dumps(info, default=str)
+
+
+def _cmd_fit(args) -> int:
+    from .pipeline import fit_store
+
+    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    progress = _Progress(args.quiet)
+    params = dict(
+        n_clusters=args.clusters, kernel=args.kernel, gamma=args.gamma, degree=args.degree,
+        coef0=args.coef0, rank=args.rank, tol=args.tol, algorithm=args.algorithm,
+        batch_size=args.batch_size, n_init=args.n_init, max_iter=args.max_iter,
+        random_state=args.seed,
+    )
+    from . import io
+
+    io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
+    with _cluster(args) as client:
+        report = fit_store(
+            args.store, args.out, params, client=client, overwrite=args.overwrite,
+            p_storage=args.p_storage, persist=args.persist, storage_options=storage_options,
+            progress=progress,
+        )
+    progress.close()
+    _print_report(report)
+    return 0
+
+
+def _print_report(report: dict) -> None:
+    for key, value in report.items():
+        if isinstance(value, float):
+            value = f"{value:.6g}"
+        print(f"{key}: {value}")
+
+
+def _cmd_predict(args) -> int:
+    from .pipeline import predict_store
+
+    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    from . import io
+
+    io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
+    with _cluster(args) as client:
+        report = predict_store(args.model, args.store, args.out, client=client,
+                               overwrite=args.overwrite, storage_options=storage_options)
+    _print_report(report)
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from .pipeline import describe
+
+    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    for line in describe(args.path, rank=args.rank, storage_options=storage_options):
+        print(line)
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    from .plotting import plot_model
+
+    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    paths = plot_model(args.model, args.out_dir, data=args.data, storage_options=storage_options)
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from . import io
+    from .pipeline import fit_store
+    from .plotting import plot_model
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    data, model = work / "ring.zarr", work / "model.zarr"
+    t0 = time.perf_counter()
+    if data.exists() and not args.overwrite:
+        print(f"using existing {data}")
+    else:
+        io.generate("ring", str(data), args.n, random_state=0, overwrite=True)
+    t_gen = time.perf_counter() - t0
+    progress = _Progress(args.quiet)
+    params = dict(n_clusters=2, kernel="gaussian", gamma=16.0, rank=args.rank, tol=1e-3,
+                  algorithm="minibatch", random_state=0)
+    with _cluster(args) as client:
+        report = fit_store(str(data), str(model), params, client=client, overwrite=True,
+                           progress=progress)
+    progress.close()
+    paths = plot_model(str(model), str(work), data=str(data))
+    report = {"points": args.n, "generate_s": t_gen, **report}
+    _print_report(report)
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+_COMMANDS = {
+    "convert": _cmd_convert,
+    "generate": _cmd_generate,
+    "fit": _cmd_fit,
+    "predict": _cmd_predict,
+    "info": _cmd_info,
+    "plot": _cmd_plot,
+    "demo": _cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dkicf`` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("dkicf: interrupted", file=sys.stderr)
+        return 130
+    except (UsageError, ValueError, TypeError, FileNotFoundError, FileExistsError,
+            PermissionError, ConnectionError, ImportError) as exc:
+        if args.debug:
+            raise
+        print(f"dkicf {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback
+        if args.debug:
+            raise
+        print(f"dkicf {args.command}: failed: {type(exc).__name__}: {exc} "
+              "(run with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

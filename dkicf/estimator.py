@@ -1,0 +1,469 @@
+"""`KernelKMeans`: the paper's Algorithm 2 as a scikit-learn estimator."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+import numpy as np
+from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
+from sklearn.utils.validation import check_is_fitted, validate_data
+
+from ._validation import check_array_2d, check_positive_int, is_dask_array
+from .icf import ICFResult, _transform_block, incomplete_cholesky
+from .kernels import Kernel, make_kernel
+from .kmeans import assign, kmeans
+
+__all__ = ["KernelKMeans", "load"]
+
+_ALGORITHMS = ("minibatch", "lloyd")
+_MODEL_FORMAT = "dkicf-model"
+_MODEL_VERSION = 1
+_MODEL_ARRAYS = ("cluster_centers", "pivots", "pivot_rows", "cholesky_factor", "trace_errors")
+
+
+class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
+    """Kernel k-means on an incomplete Cholesky factorization of the kernel matrix.
+
+    ``fit`` runs the paper's Algorithm 2: the incomplete Cholesky factorization
+    (Algorithm 1, :func:`dkicf.incomplete_cholesky`) gives ``K ~ P P^T`` with
+    ``P`` of ``n x s``, then k-means clusters the rows of ``P``.  The kernel
+    matrix is never formed.  Numpy input runs in this process; a dask array
+    runs on the current ``distributed`` cluster, with ``P`` kept in chunks on
+    the workers.
+
+    Parameters
+    ----------
+    n_clusters : int, default=8
+        Number of clusters.
+    kernel : str, callable or Kernel, default="gaussian"
+        ``"gaussian"`` (``exp(-gamma ||x - y||^2)``; the paper's sigma is
+        ``gamma``), ``"laplacian"``, ``"polynomial"``, ``"linear"``, a callable
+        ``f(A, B)`` returning a kernel block, or a :class:`dkicf.kernels.Kernel`.
+    gamma : float or "median", default=None
+        Kernel width; ``None`` is the median heuristic for the Gaussian and
+        Laplacian kernels (:func:`dkicf.kernels.median_gamma` on a seeded
+        sample) and ``1 / n_features`` for the polynomial kernel.
+    degree : int, default=3
+        Degree of the polynomial kernel.
+    coef0 : float, default=1.0
+        Constant of the polynomial kernel.
+    rank : int, default=100
+        Largest rank ``s`` of the factorization (columns of P).
+    tol : float, default=1e-3
+        The factorization stops once ``tr(K - P P^T) <= tol`` (absolute, the
+        paper's epsilon).
+    algorithm : {"minibatch", "lloyd"}, default="minibatch"
+        Mini-batch k-means (Sculley 2010) or full-batch Lloyd on the rows of P.
+    batch_size : int, default=1024
+        Rows per mini-batch step.
+    n_init : int, default=3
+        k-means restarts; the one with the lowest inertia (full pass) is kept.
+    max_iter : int, default=100
+        Mini-batch steps, or Lloyd iterations, per restart.
+    kmeans_tol : float, default=1e-4
+        Relative tolerance on the centres' movement (see :func:`dkicf.kmeans.kmeans`).
+    persist : bool, default=True
+        Dask input only: hold X's chunks in worker memory, or re-read them on
+        every pass (data larger than the cluster's memory).
+    random_state : int, numpy.random.Generator or None, default=None
+        Seeds the median heuristic and k-means: the same seed gives the same
+        clusters whatever the number of workers and the chunking.
+
+    Attributes
+    ----------
+    labels_ : ndarray of shape (n_samples,)
+        Cluster of every training point.
+    cluster_centers_ : ndarray of shape (n_clusters, rank_)
+        Centres in the factor's feature space.
+    inertia_ : float
+        Sum of squared distances of the rows of P to their centres.
+    n_iter_ : int
+        k-means steps (or iterations) of the kept run.
+    pivots_ : ndarray of shape (rank_,)
+        Rows chosen by the factorization, in order.
+    pivot_rows_ : ndarray of shape (rank_, n_features_in_)
+        ``X[pivots_]``.
+    cholesky_factor_ : ndarray of shape (rank_, rank_)
+        ``L = P[pivots_]``, lower triangular: ``L L^T = K[pivots_, pivots_]``.
+    trace_errors_ : ndarray of shape (rank_,)
+        ``tr(K - P P^T)`` after each iteration of the factorization.
+    rank_ : int
+        Rank reached (``<= rank``; less when ``tol`` or the numerical rank of K
+        stopped the factorization).
+    kernel_ : Kernel
+        The kernel with its resolved parameters (for example the median gamma).
+    n_features_in_ : int
+        Number of features seen in ``fit``.
+    feature_names_in_ : ndarray of str
+        Names of the features, when X has them.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dkicf import KernelKMeans
+    >>> from dkicf.synthetic import make_ring
+    >>> X, y = make_ring(400, random_state=0)
+    >>> model = KernelKMeans(n_clusters=2, gamma=16.0, rank=50, random_state=0).fit(X)
+    >>> from dkicf.metrics import clustering_accuracy
+    >>> clustering_accuracy(y, model.labels_)
+    1.0
+    """
+
+    def __init__(
+        self,
+        n_clusters: int = 8,
+        *,
+        kernel: str | Callable | Kernel = "gaussian",
+        gamma: float | str | None = None,
+        degree: int = 3,
+        coef0: float = 1.0,
+        rank: int = 100,
+        tol: float = 1e-3,
+        algorithm: str = "minibatch",
+        batch_size: int = 1024,
+        n_init: int = 3,
+        max_iter: int = 100,
+        kmeans_tol: float = 1e-4,
+        persist: bool = True,
+        random_state=None,
+    ):
+        self.n_clusters = n_clusters
+        self.kernel = kernel
+        self.gamma = gamma
+        self.degree = degree
+        self.coef0 = coef0
+        self.rank = rank
+        self.tol = tol
+        self.algorithm = algorithm
+        self.batch_size = batch_size
+        self.n_init = n_init
+        self.max_iter = max_iter
+        self.kmeans_tol = kmeans_tol
+        self.persist = persist
+        self.random_state = random_state
+
+    # ------------------------------------------------------------------ fitting
+
+    def _check_params(self, n_samples: int) -> None:
+        check_positive_int(self.n_clusters, "n_clusters")
+        if self.n_clusters > n_samples:
+            raise ValueError(
+                f"n_samples={n_samples} should be >= n_clusters={self.n_clusters}."
+            )
+        check_positive_int(self.rank, "rank")
+        check_positive_int(self.batch_size, "batch_size")
+        check_positive_int(self.n_init, "n_init")
+        check_positive_int(self.max_iter, "max_iter")
+        for name in ("tol", "kmeans_tol"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
+        if self.algorithm not in _ALGORITHMS:
+            raise ValueError(
+                f"algorithm must be one of {', '.join(map(repr, _ALGORITHMS))}, "
+                f"got {self.algorithm!r}."
+            )
+        if isinstance(self.kernel, str):
+            make_kernel(self.kernel, gamma=self._gamma_for_check(), degree=self.degree,
+                        coef0=self.coef0, X_sample=np.zeros((2, 1)))
+
+    def _gamma_for_check(self):
+        # Validate gamma's type and sign without running the median heuristic.
+        if self.gamma is None or (isinstance(self.gamma, str) and self.gamma == "median"):
+            return 1.0 if self.kernel not in ("polynomial", "poly") else None
+        return self.gamma
+
+    def _seeds(self):
+        rng = (
+            self.random_state
+            if isinstance(self.random_state, np.random.Generator)
+            else np.random.default_rng(self.random_state)
+        )
+        icf_seed, km_seed = rng.integers(0, 2**31 - 1, size=2)
+        return int(icf_seed), int(km_seed)
+
+    def fit(self, X, y=None, *, progress=None):
+        """Factorize the kernel matrix of X and cluster the rows of the factor.
+
+        Parameters
+        ----------
+        X : array-like or dask array of shape (n_samples, n_features)
+        y : ignored
+        progress : callable, optional
+            Called with :class:`dkicf.ICFProgress` during the factorization and
+            with k-means progress records afterwards.
+
+        Returns
+        -------
+        self
+        """
+        labels = self._fit(X, progress=progress)
+        self.labels_ = np.asarray(labels.compute() if is_dask_array(labels) else labels)
+        return self
+
+    def fit_predict(self, X, y=None, *, progress=None):
+        """Fit and return the labels (a dask array, not gathered, for dask input)."""
+        labels = self._fit(X, progress=progress)
+        self.labels_ = np.asarray(labels.compute() if is_dask_array(labels) else labels)
+        return labels if is_dask_array(labels) else self.labels_
+
+    def _fit(self, X, progress=None):
+        dask_input = is_dask_array(X)
+        if dask_input:
+            X = check_array_2d(X, "X")
+            self.n_features_in_ = X.shape[1]
+        else:
+            X = validate_data(self, X, dtype=[np.float64, np.float32], ensure_min_samples=1)
+            X = check_array_2d(X, "X")
+        self._check_params(X.shape[0])
+        icf_seed, km_seed = self._seeds()
+        icf = incomplete_cholesky(
+            X,
+            kernel=self.kernel,
+            gamma=self.gamma,
+            degree=self.degree,
+            coef0=self.coef0,
+            max_rank=self.rank,
+            tol=self.tol,
+            persist=self.persist,
+            random_state=icf_seed,
+            progress=progress,
+        )
+        km = kmeans(
+            icf.P,
+            self.n_clusters,
+            algorithm=self.algorithm,
+            batch_size=self.batch_size,
+            n_init=self.n_init,
+            max_iter=self.max_iter,
+            tol=self.kmeans_tol,
+            random_state=km_seed,
+            progress=progress,
+        )
+        self._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
+        return km.labels
+
+    def _set_fitted(self, icf: ICFResult, centers, inertia, n_iter) -> None:
+        self.kernel_ = icf.kernel
+        self.pivots_ = icf.pivots
+        self.pivot_rows_ = icf.pivot_rows
+        self.cholesky_factor_ = icf.L
+        self.trace_errors_ = icf.trace_errors
+        self.initial_trace_ = icf.initial_trace
+        self.rank_ = icf.rank
+        self.stop_reason_ = icf.stop_reason
+        self.n_passes_ = icf.n_passes
+        self.cluster_centers_ = np.asarray(centers, dtype=np.float64)
+        self.inertia_ = float(inertia)
+        self.n_iter_ = int(n_iter)
+        self._pivot_aux = icf.kernel.prepare(icf.pivot_rows)
+
+    # --------------------------------------------------------------- prediction
+
+    def _check_X_predict(self, X):
+        check_is_fitted(self, "cluster_centers_")
+        if is_dask_array(X):
+            X = check_array_2d(X, "X")
+            if X.shape[1] != self.n_features_in_:
+                raise ValueError(
+                    f"X has {X.shape[1]} features, but {type(self).__name__} is expecting "
+                    f"{self.n_features_in_} features as input."
+                )
+            return X
+        X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False)
+        return check_array_2d(X, "X")
+
+    def _features(self, x):
+        return _transform_block(
+            np.ascontiguousarray(x, dtype=np.float64),
+            self.kernel_,
+            self.pivot_rows_,
+            self.cholesky_factor_,
+            getattr(self, "_pivot_aux", None),
+        )
+
+    def transform(self, X):
+        """The factor's features of X: ``p(x) = L^{-1} k(X_B, x)``.
+
+        On a training point this is its row of P.
+
+        Returns
+        -------
+        ndarray or dask array of shape (n_samples, rank_)
+        """
+        X = self._check_X_predict(X)
+        if is_dask_array(X):
+            return X.map_blocks(
+                self._features, dtype=np.float64, chunks=(X.chunks[0], (self.rank_,))
+            )
+        return self._features(X)
+
+    def predict(self, X):
+        """Nearest centre in the factor's feature space for every row of X.
+
+        Returns
+        -------
+        ndarray or dask array of shape (n_samples,)
+        """
+        X = self._check_X_predict(X)
+        if is_dask_array(X):
+            return X.map_blocks(
+                _predict_block, self, dtype=np.int64, drop_axis=1, chunks=(X.chunks[0],)
+            )
+        return _predict_block(X, self)
+
+    def score(self, X, y=None):
+        """Opposite of the inertia of X's features with respect to the centres."""
+        X = self._check_X_predict(X)
+        P = self.transform(X)
+        _, inertia = assign(P, self.cluster_centers_)
+        return -float(inertia)
+
+    # ------------------------------------------------------------- persistence
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_pivot_aux", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if "kernel_" in state:
+            self._pivot_aux = self.kernel_.prepare(self.pivot_rows_)
+
+    def save(self, path, *, overwrite: bool = False, storage_options=None) -> None:
+        """Write the fitted model to a Zarr group (arrays and JSON attributes, no pickle).
+
+        Parameters
+        ----------
+        path : str
+            Local path or fsspec URL of the group to create.
+        overwrite : bool, default=False
+            Replace an existing group; without it an existing path is refused
+            and left untouched.
+        storage_options : dict, optional
+            Passed to fsspec for remote URLs.
+        """
+        from . import io
+
+        arrays, attrs = _model_arrays_attrs(self)
+        if getattr(self, "labels_", None) is not None:
+            arrays["labels"] = np.asarray(self.labels_, dtype=np.int32)
+        io.write_group(path, arrays, attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+def _model_arrays_attrs(model: KernelKMeans) -> tuple[dict, dict]:
+    """The fitted model as arrays and JSON attributes (the saved format)."""
+    check_is_fitted(model, "cluster_centers_")
+    kparams = model.kernel_.get_params()
+    if kparams["kernel"] == "callable":
+        raise ValueError(
+            "a model with a callable kernel cannot be saved without pickle; "
+            "subclass dkicf.kernels.Kernel with JSON parameters, or pickle the estimator."
+        )
+    arrays = {
+        "cluster_centers": model.cluster_centers_,
+        "pivots": model.pivots_,
+        "pivot_rows": model.pivot_rows_,
+        "cholesky_factor": model.cholesky_factor_,
+        "trace_errors": model.trace_errors_,
+    }
+    params = {k: v for k, v in model.get_params().items() if _is_json(v)}
+    attrs = {
+        "format": _MODEL_FORMAT,
+        "format_version": _MODEL_VERSION,
+        "kernel": kparams,
+        "params": params,
+        "n_features_in": int(model.n_features_in_),
+        "rank": int(model.rank_),
+        "inertia": model.inertia_,
+        "n_iter": model.n_iter_,
+        "initial_trace": float(model.initial_trace_),
+        "stop_reason": model.stop_reason_,
+        "n_passes": int(model.n_passes_),
+        "versions": _versions(),
+    }
+    if hasattr(model, "feature_names_in_"):
+        attrs["feature_names_in"] = [str(f) for f in model.feature_names_in_]
+    return arrays, attrs
+
+
+def _predict_block(x, model: KernelKMeans):
+    P = model._features(x)
+    labels, _ = assign(P, model.cluster_centers_)
+    return np.asarray(labels, dtype=np.int64)
+
+
+def _is_json(v) -> bool:
+    return v is None or isinstance(v, (str, bool, int, float))
+
+
+def _versions() -> dict:
+    import dask
+    import distributed
+    import scipy
+    import sklearn
+    import zarr
+
+    from . import __version__
+
+    return {
+        "dkicf": __version__,
+        "numpy": np.__version__,
+        "scipy": scipy.__version__,
+        "scikit-learn": sklearn.__version__,
+        "dask": dask.__version__,
+        "distributed": distributed.__version__,
+        "zarr": zarr.__version__,
+    }
+
+
+def load(path, *, storage_options=None) -> KernelKMeans:
+    """Load a model written by :meth:`KernelKMeans.save`.
+
+    Parameters
+    ----------
+    path : str
+        Local path or fsspec URL of the model group.
+    storage_options : dict, optional
+
+    Returns
+    -------
+    KernelKMeans
+        Fitted, predicting exactly as the saved model.
+    """
+    from . import io
+
+    arrays, attrs = io.read_group(path, storage_options=storage_options, names=_MODEL_ARRAYS)
+    if attrs.get("format") != _MODEL_FORMAT:
+        raise ValueError(
+            f"{path} is not a dkicf model (its attributes have no format={_MODEL_FORMAT!r}); "
+            "pass the --out group written by `dkicf fit` or KernelKMeans.save."
+        )
+    if attrs.get("format_version", 0) > _MODEL_VERSION:
+        raise ValueError(
+            f"{path} was written by a newer dkicf (model format "
+            f"{attrs['format_version']} > {_MODEL_VERSION}); upgrade dkicf to read it."
+        )
+    params = {k: v for k, v in attrs["params"].items() if k in KernelKMeans().get_params()}
+    model = KernelKMeans(**params)
+    kparams = dict(attrs["kernel"])
+    name = kparams.pop("kernel")
+    model.kernel_ = make_kernel(name, **kparams)
+    model.pivots_ = np.asarray(arrays["pivots"], dtype=np.int64)
+    model.pivot_rows_ = np.asarray(arrays["pivot_rows"], dtype=np.float64)
+    model.cholesky_factor_ = np.asarray(arrays["cholesky_factor"], dtype=np.float64)
+    model.trace_errors_ = np.asarray(arrays["trace_errors"], dtype=np.float64)
+    model.cluster_centers_ = np.asarray(arrays["cluster_centers"], dtype=np.float64)
+    model.n_features_in_ = int(attrs["n_features_in"])
+    if "feature_names_in" in attrs:
+        model.feature_names_in_ = np.asarray(attrs["feature_names_in"], dtype=object)
+    model.rank_ = int(attrs["rank"])
+    model.inertia_ = float(attrs["inertia"])
+    model.n_iter_ = int(attrs["n_iter"])
+    model.initial_trace_ = float(attrs["initial_trace"])
+    model.stop_reason_ = attrs["stop_reason"]
+    model.n_passes_ = int(attrs["n_passes"])
+    model._pivot_aux = model.kernel_.prepare(model.pivot_rows_)
+    return model

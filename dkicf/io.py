@@ -1,0 +1,1834 @@
+"""Zarr in and out: opening arrays safely, dataset stores, conversion, model groups.
+
+Stores are Zarr v3 (v2 is read too) at a local path or at an fsspec URL
+(``file://``, ``memory://``, ``s3://``, ...; remote protocols need their fsspec
+package, e.g. ``s3fs``).
+
+Reading
+    :func:`open_array`, :func:`as_dask` and :func:`open_dataset` read the
+    store's metadata first and refuse it (:class:`DkicfIOError`) before any
+    chunk is read when it declares a pickle or object codec, or a dtype that is
+    not a real number.  Chunks are never unpickled.
+
+Dataset layout
+    A dataset store is a Zarr group holding ``X`` of shape
+    ``(n_samples, n_features)``, chunked by rows with all columns in one
+    chunk, and optionally ``y`` of shape ``(n_samples,)``, int64, with the same
+    row chunks.  Class values ``0 .. c-1`` in ``y`` stand for the original
+    labels listed in the group attribute ``label_values``.
+
+Writing
+    :func:`convert`, :func:`generate` and :func:`write_group` refuse an
+    existing destination unless ``overwrite=True``.  At a local path (or
+    ``file://`` URL) they write a temporary sibling directory and move it into
+    place only once it is complete, so a failed write leaves no store behind,
+    and with ``overwrite=True`` the old store is moved away only after the new
+    one is complete.  At other URLs there is no rename: the store is written in
+    place, an old one is cleared first (only with ``overwrite=True``), and a
+    failed write removes what it wrote.  An existing path that is not a Zarr
+    store is never replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import numbers
+import os
+import shutil
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.storage import FsspecStore, LocalStore
+
+from . import synthetic
+from ._validation import check_dtype
+from .errors import DkicfError
+
+__all__ = [
+    "DkicfIOError",
+    "OutputExistsError",
+    "as_dask",
+    "check_store_safe",
+    "check_writable",
+    "choose_row_chunk",
+    "convert",
+    "fingerprint",
+    "generate",
+    "open_array",
+    "open_dataset",
+    "inspect",
+    "open_member",
+    "read_group",
+    "staged_group",
+    "write_dask",
+    "write_group",
+]
+
+MiB = 1 << 20
+
+# Codecs that turn chunk bytes into Python objects; pickle runs arbitrary code.
+_OBJECT_CODECS = frozenset(
+    {"pickle", "json", "json2", "msgpack", "msgpack2", "vlen-utf8", "vlen-bytes",
+     "vlen-array", "categorize", "object"}
+)
+_V3_REAL_TYPES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64"}
+)
+_SVMLIGHT_SUFFIXES = (".svm", ".libsvm", ".svmlight", ".txt")
+_SUFFIXES = (".npy", ".npz", ".csv", ".parquet") + _SVMLIGHT_SUFFIXES
+_MAX_CLASSES = 65536
+
+
+class DkicfIOError(DkicfError, ValueError):
+    """A store or file that cannot be read or written as asked; the message says why."""
+
+
+class OutputExistsError(DkicfIOError, FileExistsError):
+    """The destination already exists and overwriting was not asked for."""
+
+
+# --------------------------------------------------------------------------
+# locations
+
+
+def _local_path(url) -> Path | None:
+    """The filesystem path of a local path or ``file://`` URL, else None."""
+    text = os.fspath(url)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :]).expanduser()
+    if "://" in text:
+        return None
+    return Path(text).expanduser()
+
+
+def _fs(url: str, storage_options: dict | None):
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError) as exc:
+        raise DkicfIOError(
+            f"cannot open {url}: {exc}. Install the fsspec package for that protocol "
+            "(e.g. s3fs for s3://) or pass a local path."
+        ) from exc
+
+
+def _join(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+def _store(url: str, storage_options: dict | None, *, read_only: bool):
+    local = _local_path(url)
+    if local is not None:
+        return LocalStore(local, read_only=read_only)
+    return FsspecStore.from_url(url, storage_options=storage_options or {}, read_only=read_only)
+
+
+@dataclass
+class _Node:
+    """What the metadata at a location says, read without touching any chunk."""
+
+    url: str
+    kind: str  # "array" or "group"
+    zarr_format: int
+    meta: dict = field(repr=False)
+
+
+class _Location:
+    """A local directory or a path on an fsspec filesystem (fsspec only for URLs)."""
+
+    def __init__(self, url: str, storage_options: dict | None):
+        self.url = url
+        self.local = _local_path(url)
+        if self.local is None:
+            self.fs, path = _fs(url, storage_options)
+            self.path = path.rstrip("/")
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            if self.local is not None:
+                return (self.local / name).read_bytes()
+            return self.fs.cat_file(f"{self.path}/{name}")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def exists(self) -> bool:
+        if self.local is not None:
+            return os.path.lexists(self.local)
+        return self.fs.exists(self.path)
+
+    def children(self) -> list[str]:
+        if self.local is not None:
+            return sorted(p.name for p in self.local.iterdir()) if self.local.is_dir() else []
+        found = self.fs.ls(self.path, detail=False)
+        return sorted(child.rstrip("/").rsplit("/", 1)[-1] for child in found)
+
+
+def _read_json(location: _Location, name: str) -> dict | None:
+    raw = location.read(name)
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError as exc:
+        raise DkicfIOError(
+            f"{location.url}: metadata file {name} is not valid JSON ({exc})."
+        ) from exc
+    if not isinstance(meta, dict):
+        raise DkicfIOError(f"{location.url}: metadata file {name} is not a JSON object.")
+    return meta
+
+
+def _probe(url: str, storage_options: dict | None, *, missing_ok: bool = False) -> _Node | None:
+    """Find the Zarr node at ``url`` from its metadata file alone."""
+    location = _Location(url, storage_options)
+    meta = _read_json(location, "zarr.json")
+    if meta is not None:
+        kind = meta.get("node_type")
+        if kind not in ("array", "group"):
+            raise DkicfIOError(f"{url}: zarr.json has node_type {kind!r}, not 'array' or 'group'.")
+        return _Node(url, kind, 3, meta)
+    meta = _read_json(location, ".zarray")
+    if meta is not None:
+        return _Node(url, "array", 2, meta)
+    meta = _read_json(location, ".zgroup")
+    if meta is not None:
+        return _Node(url, "group", 2, meta)
+    if location.exists():
+        raise DkicfIOError(
+            f"{url} exists but is not a Zarr store (no zarr.json, .zarray or .zgroup); "
+            "pass the path of a Zarr array or group, or convert the file first with "
+            "dkicf.io.convert."
+        )
+    if missing_ok:
+        return None
+    raise DkicfIOError(f"no Zarr store at {url}; check the path (and storage_options for URLs).")
+
+
+def _group_arrays(url: str, storage_options: dict | None) -> list[str]:
+    """Names of the arrays directly inside the group at ``url``."""
+    names = []
+    for name in _Location(url, storage_options).children():
+        if name.startswith(".") or name == "zarr.json":
+            continue
+        with contextlib.suppress(DkicfIOError):
+            node = _probe(_join(url, name), storage_options, missing_ok=True)
+            if node is not None and node.kind == "array":
+                names.append(name)
+    return names
+
+
+def _not_an_array(url: str, storage_options: dict | None) -> DkicfIOError:
+    names = _group_arrays(url, storage_options)
+    if not names:
+        return DkicfIOError(f"{url} is a Zarr group, not an array, and it holds no arrays.")
+    first = "X" if "X" in names else names[0]
+    return DkicfIOError(
+        f"{url} is a Zarr group, not an array; pass {_join(url, first)} "
+        f"(its arrays: {', '.join(names)}), or use dkicf.io.open_dataset for a dataset group."
+    )
+
+
+# --------------------------------------------------------------------------
+# safety checks on metadata
+
+
+def _codec_names(spec) -> Iterator[str]:
+    """Every codec name in a (nested) codec configuration, e.g. inside sharding."""
+    if isinstance(spec, dict):
+        name = spec.get("name", spec.get("id"))
+        if isinstance(name, str):
+            yield name
+        for value in spec.values():
+            if isinstance(value, (dict, list, tuple)):
+                yield from _codec_names(value)
+    elif isinstance(spec, (list, tuple)):
+        for item in spec:
+            yield from _codec_names(item)
+
+
+def _unsafe_codec(meta: dict) -> str | None:
+    parts = [meta.get(key) for key in ("codecs", "filters", "compressor", "compressors")]
+    for name in _codec_names(parts):
+        short = name.lower().removeprefix("numcodecs.")
+        if "pickle" in short or short in _OBJECT_CODECS:
+            return name
+    return None
+
+
+def _unsafe_dtype(meta: dict, zarr_format: int) -> str | None:
+    if zarr_format == 2:
+        dtype = meta.get("dtype")
+        if not isinstance(dtype, str):
+            return f"structured dtype {dtype!r}"
+        try:
+            kind = np.dtype(dtype).kind
+        except TypeError:
+            return f"dtype {dtype!r}"
+        return None if kind in "biuf" else f"dtype {dtype!r}"
+    dtype = meta.get("data_type")
+    if isinstance(dtype, str) and dtype in _V3_REAL_TYPES:
+        return None
+    return f"data type {dtype!r}"
+
+
+def _check_meta(url: str, meta: dict, zarr_format: int) -> None:
+    bad = _unsafe_dtype(meta, zarr_format)
+    if bad is not None:
+        raise DkicfIOError(
+            f"refusing {url}: {bad} is not a real number type. Store the data as "
+            "float32/float64 (or integers) without object or text columns."
+        )
+    codec = _unsafe_codec(meta)
+    if codec is not None:
+        danger = " (unpickling can run arbitrary code)" if "pickle" in codec.lower() else ""
+        raise DkicfIOError(
+            f"refusing {url}: its metadata declares the codec {codec!r}, which decodes chunks "
+            f"into Python objects{danger}. dkicf reads numeric arrays only; rewrite the data "
+            "as a float array with a numeric codec such as zstd."
+        )
+
+
+def _describe(arr: zarr.Array) -> str:
+    store = arr.store_path.store
+    path = arr.store_path.path
+    if isinstance(store, LocalStore):
+        return str(Path(store.root) / path) if path else str(store.root)
+    if isinstance(store, FsspecStore):
+        protocol = store.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        root = store.path.strip("/")
+        return f"{protocol}://{root}/{path}" if path else f"{protocol}://{root}"
+    return str(arr.store_path)
+
+
+def check_store_safe(arr: zarr.Array, *, name: str | None = None) -> None:
+    """Refuse a Zarr array whose codecs or dtype are not plain numeric ones.
+
+    Looks at the array's metadata only (no chunk is read): codecs, filters and
+    compressors (also inside sharding) must not be pickle or another codec that
+    decodes to Python objects, and the dtype must be a real number type
+    (:func:`dkicf._validation.check_dtype`).
+
+    Parameters
+    ----------
+    arr : zarr.Array
+        An open array.
+    name : str, optional
+        How to name the array in messages; by default its store location.
+
+    Raises
+    ------
+    DkicfIOError
+        Naming the store and the offending codec or dtype.
+
+    Examples
+    --------
+    >>> import zarr
+    >>> check_store_safe(zarr.create_array(store={}, shape=(4, 2), dtype="f8"))
+    >>> check_store_safe(zarr.create_array(store={}, shape=(4,), dtype=str))
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    dkicf.io.DkicfIOError: refusing ...: data type 'string' is not a real number type. ...
+    """
+    where = name or _describe(arr)
+    meta = arr.metadata.to_dict()
+    _check_meta(where, meta, arr.metadata.zarr_format)
+    try:
+        check_dtype(arr.dtype, where)
+    except TypeError as exc:
+        raise DkicfIOError(f"refusing {where}: {exc}") from exc
+
+
+def _open_checked(
+    url_or_array, storage_options: dict | None, *, ndim: int | None
+) -> tuple[zarr.Array, str]:
+    """Open an array after its metadata passed the checks; optionally require ``ndim``."""
+    if isinstance(url_or_array, zarr.Array):
+        arr, url = url_or_array, _describe(url_or_array)
+    else:
+        url = os.fspath(url_or_array)
+        node = _probe(url, storage_options)
+        if node.kind == "group":
+            raise _not_an_array(url, storage_options)
+        _check_meta(url, node.meta, node.zarr_format)
+        try:
+            arr = zarr.open_array(
+                store=_store(url, storage_options, read_only=True),
+                mode="r",
+                zarr_format=node.zarr_format,
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            raise DkicfIOError(f"cannot open the Zarr array at {url}: {exc}") from exc
+    check_store_safe(arr, name=url)
+    if ndim is not None and arr.ndim != ndim:
+        raise DkicfIOError(
+            f"{url} is {arr.ndim}-D with shape {arr.shape}; a data array must be 2-D "
+            "(n_samples, n_features)."
+        )
+    if ndim is not None and 0 in arr.shape:
+        raise DkicfIOError(
+            f"{url} is empty: shape {arr.shape}; it needs at least one row and column."
+        )
+    return arr, url
+
+
+def open_array(url, *, storage_options: dict | None = None) -> zarr.Array:
+    """Open a 2-D numeric Zarr array (v3 or v2) for reading, after safety checks.
+
+    Parameters
+    ----------
+    url : str or path-like
+        Local path or fsspec URL of the array (for a dataset group, its ``X``:
+        ``"data.zarr/X"``).
+    storage_options : dict, optional
+        Passed to fsspec for URLs (credentials, endpoint, ...).
+
+    Returns
+    -------
+    zarr.Array
+        Opened read-only.
+
+    Raises
+    ------
+    DkicfIOError
+        No store at ``url``; a group instead of an array (the message lists its
+        arrays); pickle/object codecs or a non-numeric dtype (refused before any
+        chunk is read); not 2-D; empty.
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> write_group(os.path.join(d, "m.zarr"), {"X": np.ones((3, 2))}, {})
+    >>> open_array(os.path.join(d, "m.zarr", "X")).shape
+    (3, 2)
+    """
+    return _open_checked(url, storage_options, ndim=2)[0]
+
+
+def _dask_chunks(arr: zarr.Array) -> tuple[int, int]:
+    rows = (getattr(arr, "shards", None) or arr.chunks)[0]
+    return (rows, arr.shape[1])
+
+
+def as_dask(url_or_array, *, storage_options: dict | None = None):
+    """A dask array over a 2-D numeric Zarr array, one task per row chunk.
+
+    The dask chunks follow the Zarr row chunks (shards when sharded) and hold
+    all columns, so each task reads whole chunks of its own.
+
+    Parameters
+    ----------
+    url_or_array : str, path-like or zarr.Array
+        What :func:`open_array` accepts, or an open array (checked the same way).
+    storage_options : dict, optional
+        Passed to fsspec for URLs.
+
+    Returns
+    -------
+    dask.array.Array
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> write_group(os.path.join(d, "m.zarr"), {"X": np.ones((3, 2))}, {})
+    >>> float(as_dask(os.path.join(d, "m.zarr", "X")).sum().compute())
+    6.0
+    """
+    import dask.array as da
+
+    arr, _ = _open_checked(url_or_array, storage_options, ndim=2)
+    return da.from_zarr(arr, chunks=_dask_chunks(arr))
+
+
+def open_dataset(url, *, storage_options: dict | None = None):
+    """Open a dataset store (group with ``X`` and optional ``y``) or a bare array.
+
+    Parameters
+    ----------
+    url : str or path-like
+        A dataset group as written by :func:`convert` / :func:`generate`, or a
+        2-D array.
+    storage_options : dict, optional
+        Passed to fsspec for URLs.
+
+    Returns
+    -------
+    X : dask.array.Array of shape (n_samples, n_features)
+        Chunked by rows like the store.
+    y : dask.array.Array of shape (n_samples,) or None
+        Integer labels with X's row chunks, when the group has ``y``.
+    info : dict
+        ``url``, ``shape``, ``chunks``, ``n_samples``, ``n_features``,
+        ``dtype``, ``chunk_rows``, ``label_values`` (or None) and ``attrs``
+        (the group's attributes).
+
+    Raises
+    ------
+    DkicfIOError
+        Everything :func:`open_array` refuses; a group without ``X``; a ``y``
+        that is not 1-D integer with one label per row of X.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> _ = generate("ring", os.path.join(d, "ring.zarr"), 100)
+    >>> X, y, info = open_dataset(os.path.join(d, "ring.zarr"))
+    >>> X.shape, y.shape, info["label_values"]
+    ((100, 2), (100,), [0, 1])
+    """
+    import dask.array as da
+
+    url = os.fspath(url)
+    node = _probe(url, storage_options)
+    if node.kind == "array":
+        arr = open_array(url, storage_options=storage_options)
+        X = as_dask(arr)
+        attrs = dict(arr.attrs)
+        y = None
+    else:
+        names = _group_arrays(url, storage_options)
+        if "X" not in names:
+            listed = ", ".join(names) or "none"
+            raise DkicfIOError(
+                f"{url} is a Zarr group without an array X (its arrays: {listed}); a dataset "
+                "group holds X (n_samples, n_features) and optionally y."
+            )
+        X = as_dask(_join(url, "X"), storage_options=storage_options)
+        group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+        attrs = dict(group.attrs)
+        y = None
+        if "y" in names:
+            y_arr, y_url = _open_checked(_join(url, "y"), storage_options, ndim=None)
+            if y_arr.ndim != 1 or y_arr.shape[0] != X.shape[0]:
+                raise DkicfIOError(
+                    f"{y_url} has shape {y_arr.shape}; labels need shape ({X.shape[0]},), "
+                    "one per row of X."
+                )
+            if np.dtype(y_arr.dtype).kind not in "iu":
+                raise DkicfIOError(
+                    f"{y_url} has dtype {y_arr.dtype}; labels must be integers "
+                    "(convert writes int64 class indices)."
+                )
+            y = da.from_zarr(y_arr, chunks=(X.chunks[0],))
+    info = {
+        "url": url,
+        "shape": [int(X.shape[0]), int(X.shape[1])],
+        "chunks": [int(X.chunks[0][0]), int(X.shape[1])],
+        "n_samples": int(X.shape[0]),
+        "n_features": int(X.shape[1]),
+        "dtype": str(X.dtype),
+        "chunk_rows": int(X.chunks[0][0]),
+        "label_values": attrs.get("label_values") if y is not None else None,
+        "attrs": attrs,
+    }
+    return X, y, info
+
+
+# --------------------------------------------------------------------------
+# writing safely
+
+
+def _is_zarr_dir(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("zarr.json", ".zarray", ".zgroup"))
+
+
+def check_writable(url, *, overwrite: bool = False, storage_options: dict | None = None) -> None:
+    """Fail early, before any computation, if a store cannot be written at ``url``.
+
+    Parameters
+    ----------
+    url : str or path-like
+        The destination store.
+    overwrite : bool, default=False
+        Whether an existing Zarr store there may be replaced.
+    storage_options : dict, optional
+        Passed to fsspec for URLs.
+
+    Raises
+    ------
+    DkicfIOError
+        ``url`` exists and ``overwrite`` is False; ``url`` exists and is not a
+        Zarr store (never replaced, even with ``overwrite``); the nearest
+        existing parent of a local path is not a writable directory.
+
+    Notes
+    -----
+    For non-local URLs only existence is checked; permissions show at the
+    first write.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> check_writable(os.path.join(d, "new.zarr"))
+    >>> check_writable(d)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    dkicf.io.DkicfIOError: ... already exists; ...
+    """
+    url = os.fspath(url)
+    local = _local_path(url)
+    if local is not None:
+        if os.path.lexists(local):
+            if not overwrite:
+                raise OutputExistsError(
+                    f"{url} already exists; pass overwrite=True to replace it, or choose "
+                    "another path."
+                )
+            if not local.is_dir() or not _is_zarr_dir(local):
+                raise DkicfIOError(
+                    f"{url} exists and is not a Zarr store; refusing to replace it even with "
+                    "overwrite=True. Remove it yourself or choose another path."
+                )
+        parent = local.absolute().parent
+        while not os.path.lexists(parent) and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise DkicfIOError(
+                f"cannot write {url}: {parent} is not a directory; choose another path."
+            )
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise DkicfIOError(
+                f"cannot write {url}: no write permission in {parent}; choose another path."
+            )
+        return
+    fs, path = _fs(url, storage_options)
+    if fs.exists(path):
+        if not overwrite:
+            raise OutputExistsError(
+                f"{url} already exists; pass overwrite=True to replace it, or choose another "
+                "path."
+            )
+        if _probe(url, storage_options, missing_ok=True) is None:
+            raise DkicfIOError(
+                f"{url} exists and is not a Zarr store; refusing to replace it even with "
+                "overwrite=True."
+            )
+
+
+@contextlib.contextmanager
+def _staged(url: str, *, overwrite: bool, storage_options: dict | None):
+    """Yield a store to write a new node into; publish it at ``url`` on success only."""
+    check_writable(url, overwrite=overwrite, storage_options=storage_options)
+    local = _local_path(url)
+    if local is None:
+        fs, path = _fs(url, storage_options)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        try:
+            yield _store(url, storage_options, read_only=False)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if fs.exists(path):
+                    fs.rm(path, recursive=True)
+            raise
+        return
+    local = local.absolute()
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.parent / f".{local.name}.dkicf-tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        yield LocalStore(tmp)
+        _publish(tmp, local, url, overwrite=overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, dst: Path, url: str, *, overwrite: bool) -> None:
+    """Move the complete store ``tmp`` to ``dst``; an old ``dst`` goes only afterwards."""
+    if not os.path.lexists(dst):
+        os.rename(tmp, dst)
+        return
+    # Checked again: the destination may have appeared while we were writing.
+    check_writable(url, overwrite=overwrite)
+    old = dst.parent / f".{dst.name}.dkicf-old-{uuid.uuid4().hex[:12]}"
+    os.rename(dst, old)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _jsonable(value, where: str):
+    """Attributes as plain JSON values; numpy scalars and arrays become numbers and lists."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise DkicfIOError(f"attribute keys must be strings, got {key!r} in {where}.")
+            out[key] = _jsonable(item, f"{where}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item, where) for item in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist(), where)
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DkicfIOError(f"attribute {where} is {value}; JSON attributes must be finite.")
+        return value
+    raise DkicfIOError(
+        f"attribute {where} has type {type(value).__name__}; attributes must be JSON values "
+        "(numbers, strings, booleans, None, lists, dicts). Store arrays as arrays instead."
+    )
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def write_group(
+    url,
+    arrays: dict[str, np.ndarray],
+    attrs: dict[str, Any],
+    *,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+) -> None:
+    """Write small numeric arrays and JSON attributes as one Zarr v3 group.
+
+    Meant for models and checkpoints: each array is stored whole in one chunk,
+    the attributes are plain JSON (nothing is ever pickled), and the group also
+    gets ``created_by``.
+
+    Parameters
+    ----------
+    url : str or path-like
+        Destination (local path or fsspec URL).
+    arrays : dict of str to array-like
+        Real-valued arrays of any shape; names must be plain (no ``/``, not
+        starting with ``.``).
+    attrs : dict
+        JSON-compatible attributes; numpy scalars and arrays are converted.
+    overwrite : bool, default=False
+        Replace an existing store (see the module notes on safety).
+    storage_options : dict, optional
+        Passed to fsspec for URLs.
+
+    Raises
+    ------
+    DkicfIOError
+        Existing destination without ``overwrite``; bad names; non-numeric
+        arrays; attributes that are not JSON values.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> write_group("memory://doc/model.zarr", {"centers": np.eye(2)}, {"k": 2})
+    >>> arrays, attrs = read_group("memory://doc/model.zarr")
+    >>> arrays["centers"].tolist(), attrs["k"]
+    ([[1.0, 0.0], [0.0, 1.0]], 2)
+    """
+    url = os.fspath(url)
+    checked = {}
+    for name, value in arrays.items():
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise DkicfIOError(
+                f"array name {name!r} for {url} must be a non-empty string without '/' "
+                "that does not start with '.'."
+            )
+        value = np.asarray(value)
+        try:
+            check_dtype(value.dtype, f"array {name!r}")
+        except TypeError as exc:
+            raise DkicfIOError(f"cannot write {url}: {exc}") from exc
+        checked[name] = value
+    meta = _jsonable(dict(attrs), "attrs")
+    meta.setdefault("created_by", f"dkicf {_version()}")
+    with _staged(url, overwrite=overwrite, storage_options=storage_options) as store:
+        group = zarr.open_group(store=store, mode="w", zarr_format=3)
+        for name, value in checked.items():
+            chunks = tuple(max(1, s) for s in value.shape)
+            arr = group.create_array(name, shape=value.shape, chunks=chunks, dtype=value.dtype)
+            if value.size:
+                arr[...] = value
+        group.attrs.update(meta)
+
+
+def read_group(
+    url, *, storage_options: dict | None = None, names=None
+) -> tuple[dict, dict]:
+    """Read a group written by :func:`write_group`: arrays as numpy, attributes as a dict.
+
+    Every array's metadata is checked (:func:`check_store_safe`) before its
+    data is read; sub-groups are ignored.
+
+    Parameters
+    ----------
+    url : str or path-like
+        Local path or fsspec URL of the group.
+    storage_options : dict, optional
+        Passed to fsspec for URLs.
+    names : collection of str, optional
+        Read only these arrays (large members such as ``P`` stay on disk).
+
+    Returns
+    -------
+    arrays : dict of str to ndarray
+    attrs : dict
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> write_group("memory://doc/g.zarr", {"w": np.arange(3.0)}, {"note": "x"})
+    >>> read_group("memory://doc/g.zarr")[0]["w"].tolist()
+    [0.0, 1.0, 2.0]
+    """
+    url = os.fspath(url)
+    node = _probe(url, storage_options)
+    if node.kind != "group":
+        raise DkicfIOError(
+            f"{url} is a Zarr array, not a group; read it with dkicf.io.open_array, or pass "
+            "the group that contains it."
+        )
+    group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+    arrays = {}
+    for name in _group_arrays(url, storage_options):
+        if names is not None and name not in names:
+            continue
+        member = _probe(_join(url, name), storage_options)
+        _check_meta(_join(url, name), member.meta, member.zarr_format)
+        arr = group[name]
+        check_store_safe(arr, name=_join(url, name))
+        arrays[name] = np.asarray(arr[...])
+    return arrays, dict(group.attrs)
+
+
+# --------------------------------------------------------------------------
+# chunking
+
+
+def choose_row_chunk(
+    n_features: int,
+    itemsize: int,
+    *,
+    target_bytes: int = 16 * MiB,
+    min_bytes: int = MiB,
+    max_bytes: int | None = None,
+) -> int:
+    """Rows per chunk for an ``(n, n_features)`` array of ``itemsize``-byte values.
+
+    The rule: ``rows = target_bytes // row_bytes``, raised to
+    ``ceil(min_bytes / row_bytes)`` if that is larger, then lowered to
+    ``max_bytes // row_bytes`` when ``max_bytes`` is given, and at least 1.
+    Chunks of 1 MiB or more keep object-store reads efficient; 16 MiB keeps a
+    chunk, its float64 copy and the kernel block built from it well inside a
+    worker's memory.  Callers clip the result to the number of rows.
+
+    Parameters
+    ----------
+    n_features : int
+        Columns (all in one chunk).
+    itemsize : int
+        Bytes per value (4 for float32, 8 for float64).
+    target_bytes : int, default=16 MiB
+        Aim for chunks of this size.
+    min_bytes : int, default=1 MiB
+        Never smaller, unless ``max_bytes`` says so.
+    max_bytes : int, optional
+        Never larger (except a single row that is larger by itself).
+
+    Returns
+    -------
+    int
+
+    Examples
+    --------
+    >>> choose_row_chunk(2, 8)
+    1048576
+    >>> choose_row_chunk(1000, 4, max_bytes=2 << 20)
+    524
+    """
+    n_features = _positive_int(n_features, "n_features")
+    itemsize = _positive_int(itemsize, "itemsize")
+    target_bytes = _positive_int(target_bytes, "target_bytes")
+    min_bytes = _positive_int(min_bytes, "min_bytes")
+    row_bytes = n_features * itemsize
+    rows = max(target_bytes // row_bytes, -(-min_bytes // row_bytes))
+    if max_bytes is not None:
+        max_bytes = _positive_int(max_bytes, "max_bytes")
+        rows = min(rows, max_bytes // row_bytes)
+    return max(rows, 1)
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}.")
+    return int(value)
+
+
+def _resolve_chunk_rows(chunk_rows, n: int, d: int, dtype: np.dtype) -> int:
+    if chunk_rows is None:
+        chunk_rows = choose_row_chunk(d, dtype.itemsize)
+    return min(_positive_int(chunk_rows, "chunk_rows"), max(n, 1))
+
+
+def _target_dtype(dtype) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise DkicfIOError(f"dtype must be 'float32' or 'float64', got {dtype!r}.")
+    return dt
+
+
+# --------------------------------------------------------------------------
+# dataset writer
+
+
+class _RowSink:
+    """Collects row blocks of any size and writes whole, aligned chunks."""
+
+    def __init__(self, X, y, chunk_rows: int, n: int, url: str, progress):
+        self.X, self.y = X, y
+        self.chunk_rows, self.n, self.url = chunk_rows, n, url
+        self.progress = progress
+        self.done = 0
+        self.buf_X: list[np.ndarray] = []
+        self.buf_y: list[np.ndarray] = []
+        self.buffered = 0
+
+    def push(self, Xb: np.ndarray, yb: np.ndarray | None) -> None:
+        if self.done + self.buffered + Xb.shape[0] > self.n:
+            raise DkicfIOError(
+                f"the source yields more than the {self.n} rows it announced; was it modified "
+                f"while {self.url} was being written?"
+            )
+        self.buf_X.append(Xb)
+        if self.y is not None:
+            self.buf_y.append(yb)
+        self.buffered += Xb.shape[0]
+        while self.buffered >= self.chunk_rows:
+            self._flush(self.chunk_rows)
+
+    def _take(self, parts: list[np.ndarray], rows: int) -> np.ndarray:
+        joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        parts[:] = [joined[rows:]] if joined.shape[0] > rows else []
+        return joined[:rows]
+
+    def _flush(self, rows: int) -> None:
+        lo, hi = self.done, self.done + rows
+        self.X[lo:hi] = self._take(self.buf_X, rows)
+        if self.y is not None:
+            self.y[lo:hi] = self._take(self.buf_y, rows)
+        self.buffered -= rows
+        self.done = hi
+        if self.progress is not None:
+            self.progress(self.done, self.n)
+
+    def close(self) -> None:
+        if self.buffered:
+            self._flush(self.buffered)
+        if self.done != self.n:
+            raise DkicfIOError(
+                f"the source yielded {self.done} rows, not the {self.n} it announced; was it "
+                f"modified while {self.url} was being written?"
+            )
+
+
+def _write_dataset(
+    url: str,
+    *,
+    n: int,
+    d: int,
+    dtype: np.dtype,
+    chunk_rows: int,
+    labelled: bool,
+    blocks: Iterator[tuple[np.ndarray, np.ndarray | None]],
+    attrs: dict,
+    overwrite: bool,
+    storage_options: dict | None,
+    progress,
+) -> None:
+    with _staged(url, overwrite=overwrite, storage_options=storage_options) as store:
+        group = zarr.open_group(store=store, mode="w", zarr_format=3)
+        X = group.create_array("X", shape=(n, d), chunks=(chunk_rows, d), dtype=dtype)
+        y = None
+        if labelled:
+            y = group.create_array("y", shape=(n,), chunks=(chunk_rows,), dtype=np.int64)
+        sink = _RowSink(X, y, chunk_rows, n, url, progress)
+        for Xb, yb in blocks:
+            sink.push(Xb, yb)
+        sink.close()
+        group.attrs.update(_jsonable(attrs, "attrs"))
+
+
+def _finite_block(block, dtype: np.dtype, start: int, src: str) -> np.ndarray:
+    out = np.asarray(block).astype(dtype, copy=False)
+    if not np.isfinite(out).all():
+        row = start + int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])
+        raise DkicfIOError(
+            f"{src}: row {row} contains NaN or infinity (after conversion to {dtype}); "
+            "remove or impute such rows before converting."
+        )
+    return out
+
+
+# --------------------------------------------------------------------------
+# labels
+
+
+class _LabelCoder:
+    """Maps arbitrary label values to 0..c-1, sorted numerically when all are numbers."""
+
+    def __init__(self, src: str):
+        self.src = src
+        self.seen: set = set()
+        self.lookup: dict = {}
+        self.values: list = []
+
+    def add(self, values: np.ndarray) -> None:
+        values = np.asarray(values)
+        if values.dtype.kind == "f" and np.isnan(values).any():
+            raise DkicfIOError(f"{self.src}: the labels contain NaN (missing values).")
+        self.seen.update(np.unique(values).tolist())
+        if len(self.seen) > _MAX_CLASSES:
+            raise DkicfIOError(
+                f"{self.src}: more than {_MAX_CLASSES} distinct label values; that is not a "
+                "class label (a regression target?). Leave label_column unset."
+            )
+
+    def finish(self) -> list:
+        seen = list(self.seen)
+        numeric = {}
+        for token in seen:
+            try:
+                number = float(token)
+            except (TypeError, ValueError):
+                numeric = None
+                break
+            if not math.isfinite(number):
+                numeric = None
+                break
+            numeric[token] = number
+        if numeric is not None:
+            ordered = sorted(set(numeric.values()))
+            code = {value: i for i, value in enumerate(ordered)}
+            self.lookup = {token: code[number] for token, number in numeric.items()}
+            self.values = [int(v) if float(v).is_integer() else v for v in ordered]
+        else:
+            ordered = sorted(str(token) for token in seen)
+            code = {value: i for i, value in enumerate(ordered)}
+            self.lookup = {token: code[str(token)] for token in seen}
+            self.values = ordered
+        return self.values
+
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        uniq, inverse = np.unique(np.asarray(values), return_inverse=True)
+        try:
+            codes = np.array([self.lookup[u] for u in uniq.tolist()], dtype=np.int64)
+        except KeyError as exc:
+            raise DkicfIOError(
+                f"{self.src}: label {exc.args[0]!r} appeared only on the second pass; was the "
+                "file modified during conversion?"
+            ) from None
+        return codes[inverse.reshape(-1)]
+
+
+# --------------------------------------------------------------------------
+# sources
+
+
+@dataclass
+class _Source:
+    """A file to convert: its size, its labels, and its rows in blocks."""
+
+    fmt: str
+    n: int
+    d: int
+    labels: _LabelCoder | None
+    read: Callable[[int], Iterator[tuple[np.ndarray, np.ndarray | None]]]
+
+
+def _npy_source(path: Path, src: str, label_column) -> _Source:
+    if label_column is not None:
+        raise DkicfIOError(
+            f"label_column applies to .csv and .parquet sources, not {src}; store labels as "
+            "y in an .npz file instead."
+        )
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as exc:
+        raise DkicfIOError(f"cannot read {src} as a numeric .npy array: {exc}") from exc
+    _check_source_layout(arr.dtype, arr.shape, src)
+
+    def read(rows: int):
+        for lo in range(0, arr.shape[0], rows):
+            yield arr[lo : lo + rows], None
+
+    return _Source("npy", arr.shape[0], arr.shape[1], None, read)
+
+
+def _check_source_layout(dtype: np.dtype, shape: tuple, src: str) -> None:
+    try:
+        check_dtype(dtype, src)
+    except TypeError as exc:
+        raise DkicfIOError(str(exc)) from exc
+    if len(shape) != 2:
+        hint = " Reshape a single feature to (n, 1) first." if len(shape) == 1 else ""
+        raise DkicfIOError(
+            f"{src} holds a {len(shape)}-D array of shape {shape}; X must be 2-D.{hint}"
+        )
+
+
+def _npz_header(zf: zipfile.ZipFile, member: str, src: str):
+    """Shape, Fortran order and dtype of an .npz member, and the open stream after the header."""
+    stream = zf.open(member)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        stream.close()
+        raise DkicfIOError(f"{src}: member {member} has .npy format {version}, not a plain array.")
+    return stream, shape, fortran, dtype
+
+
+def _npz_source(path: Path, src: str, label_column) -> _Source:
+    """X streamed from the zip member row block by row block; y (small) read whole."""
+    if label_column is not None:
+        raise DkicfIOError(
+            f"label_column applies to .csv and .parquet sources, not {src}; an .npz holds its "
+            "labels as the array y."
+        )
+    try:
+        zf = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as exc:
+        raise DkicfIOError(f"{src} is not a valid .npz (zip) file: {exc}") from exc
+    with zf:
+        members = zf.namelist()
+        if "X.npy" not in members:
+            names = ", ".join(m.removesuffix(".npy") for m in members) or "none"
+            raise DkicfIOError(
+                f"{src} has no array X (its arrays: {names}); save it with "
+                "np.savez(path, X=X, y=y)."
+            )
+        stream, shape, fortran, dtype = _npz_header(zf, "X.npy", src)
+        stream.close()
+    _check_source_layout(dtype, shape, src)
+    n, d = shape
+    coder = None
+    if "y.npy" in members:
+        with zipfile.ZipFile(path) as zf, zf.open("y.npy") as f:
+            y = np.lib.format.read_array(f, allow_pickle=False)
+        if y.ndim != 1 or y.shape[0] != n:
+            raise DkicfIOError(
+                f"{src}: y has shape {y.shape} but X has {n} rows; labels need shape ({n},)."
+            )
+        coder = _LabelCoder(src)
+        coder.add(y)
+
+    def read(rows: int):
+        with zipfile.ZipFile(path) as zf:
+            stream, _, _, _ = _npz_header(zf, "X.npy", src)
+            with stream:
+                if fortran:
+                    # Column-major data has no contiguous rows: this member is read whole.
+                    data = np.frombuffer(stream.read(), dtype=dtype).reshape(shape, order="F")
+                    for lo in range(0, n, rows):
+                        yield data[lo : lo + rows], _y_slice(lo, lo + rows)
+                    return
+                row_bytes = d * dtype.itemsize
+                for lo in range(0, n, rows):
+                    count = min(rows, n - lo)
+                    buf = stream.read(count * row_bytes)
+                    if len(buf) != count * row_bytes:
+                        raise DkicfIOError(f"{src}: X.npy ends early, after row {lo}.")
+                    block = np.frombuffer(buf, dtype=dtype).reshape(count, d)
+                    yield block, _y_slice(lo, lo + count)
+
+    def _y_slice(lo: int, hi: int):
+        return None if coder is None else y[lo:hi]
+
+    return _Source("npz", n, d, coder, read)
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) for non-blank lines that are not '#' comments."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            stripped = line.strip()
+            if stripped and not stripped.startswith("#"):
+                yield number, stripped
+
+
+def _line_blocks(path: Path, rows: int, skip: int = 0):
+    lines = _text_lines(path)
+    for _ in islice(lines, skip):
+        pass
+    while True:
+        block = list(islice(lines, rows))
+        if not block:
+            return
+        yield block
+
+
+def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+    first = next(_text_lines(path), None)
+    if first is None:
+        raise DkicfIOError(f"{src} has no data lines.")
+    line = first[1]
+    counts = {sep: line.count(sep) for sep in (",", "\t", ";")}
+    delimiter = max(counts, key=counts.get) if max(counts.values()) else None
+    fields = [part.strip().strip('"') for part in line.split(delimiter)]
+    header = None
+    for part in fields:
+        try:
+            float(part)
+        except ValueError:
+            header = fields
+            break
+    width = len(fields)
+    label_idx = None
+    if label_column is not None:
+        if isinstance(label_column, str):
+            if header is None or label_column not in header:
+                have = ", ".join(header) if header else "no header row"
+                raise DkicfIOError(
+                    f"{src}: no column named {label_column!r} ({have}); pass a column name from "
+                    "the header or an integer index."
+                )
+            label_idx = header.index(label_column)
+        elif isinstance(label_column, numbers.Integral) and not isinstance(label_column, bool):
+            if not -width <= label_column < width:
+                raise DkicfIOError(
+                    f"{src}: label_column={label_column} is out of range for {width} columns."
+                )
+            label_idx = int(label_column) % width
+        else:
+            raise DkicfIOError(
+                f"label_column must be a column name or index, got {label_column!r}."
+            )
+    features = [i for i in range(width) if i != label_idx]
+    if not features:
+        raise DkicfIOError(f"{src} has no feature columns besides the label.")
+    skip = 1 if header is not None else 0
+
+    def parse(block, dtype, cols):
+        try:
+            return np.loadtxt(
+                [text for _, text in block], delimiter=delimiter, usecols=cols, dtype=dtype,
+                ndmin=2 if dtype is np.float64 else 1, comments=None, quotechar='"',
+            )
+        except ValueError as exc:
+            raise DkicfIOError(
+                f"{src}, lines {block[0][0]}-{block[-1][0]}: {exc}. Each line needs {width} "
+                "fields; missing or non-numeric values must be fixed first."
+            ) from exc
+
+    n = 0
+    coder = None
+    if label_idx is None:
+        n = sum(1 for _ in _text_lines(path)) - skip
+    else:
+        coder = _LabelCoder(src)
+        for block in _line_blocks(path, block_rows, skip):
+            coder.add(np.char.strip(parse(block, str, [label_idx])))
+            n += len(block)
+
+    def read(rows: int):
+        for block in _line_blocks(path, rows, skip):
+            Xb = parse(block, np.float64, features)
+            yb = None if coder is None else np.char.strip(parse(block, str, [label_idx]))
+            yield Xb, yb
+
+    return _Source("csv", n, len(features), coder, read)
+
+
+def _svmlight_tokens(src: str, number: int, text: str) -> tuple[str, list[tuple[int, float]]]:
+    text = text.split("#", 1)[0]
+    tokens = text.split()
+    label = tokens[0]
+    if "," in label:
+        raise DkicfIOError(
+            f"{src}, line {number}: multi-label value {label!r}; only one label per line is "
+            "supported."
+        )
+    pairs = []
+    for token in tokens[1:]:
+        key, sep, value = token.partition(":")
+        if key == "qid":
+            continue
+        try:
+            pairs.append((int(key), float(value)))
+        except ValueError:
+            raise DkicfIOError(
+                f"{src}, line {number}: cannot read {token!r}; expected index:value."
+            ) from None
+        if not sep:
+            raise DkicfIOError(
+                f"{src}, line {number}: cannot read {token!r}; expected index:value."
+            )
+    return label, pairs
+
+
+def _svmlight_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+    """Two passes: the first finds n, the largest index and the labels; the second writes."""
+    if label_column is not None:
+        raise DkicfIOError(
+            f"label_column does not apply to svmlight files ({src}); their first field is the "
+            "label."
+        )
+    coder = _LabelCoder(src)
+    n = 0
+    low, high = None, -1
+    for block in _line_blocks(path, block_rows):
+        labels = []
+        for number, text in block:
+            label, pairs = _svmlight_tokens(src, number, text)
+            labels.append(label)
+            for index, _ in pairs:
+                if index < 0:
+                    raise DkicfIOError(f"{src}, line {number}: negative feature index {index}.")
+                low = index if low is None else min(low, index)
+                high = max(high, index)
+        coder.add(np.asarray(labels))
+        n += len(block)
+    if n == 0:
+        raise DkicfIOError(f"{src} has no data lines.")
+    # Indices start at 1 in the format; a file that uses index 0 is zero-based.
+    base = 0 if low == 0 else 1
+    d = max(high - base + 1, 1)
+
+    def read(rows: int):
+        for block in _line_blocks(path, rows):
+            Xb = np.zeros((len(block), d))
+            labels = []
+            for r, (number, text) in enumerate(block):
+                label, pairs = _svmlight_tokens(src, number, text)
+                labels.append(label)
+                for index, value in pairs:
+                    Xb[r, index - base] = value
+            yield Xb, np.asarray(labels)
+
+    return _Source("svmlight", n, d, coder, read)
+
+
+def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise DkicfIOError(
+            f"reading {src} needs pyarrow; install it (pip install 'dkicf[data]')."
+        ) from exc
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise DkicfIOError(f"cannot read {src} as Parquet: {exc}") from exc
+    schema = pf.schema_arrow
+    names = list(schema.names)
+    label = None
+    if label_column is not None:
+        if isinstance(label_column, str):
+            if label_column not in names:
+                raise DkicfIOError(
+                    f"{src}: no column named {label_column!r}; columns: {', '.join(names)}."
+                )
+            label = label_column
+        elif isinstance(label_column, numbers.Integral) and not isinstance(label_column, bool):
+            if not -len(names) <= label_column < len(names):
+                raise DkicfIOError(
+                    f"{src}: label_column={label_column} is out of range for {len(names)} columns."
+                )
+            label = names[label_column]
+        else:
+            raise DkicfIOError(
+                f"label_column must be a column name or index, got {label_column!r}."
+            )
+    features = [c for c in names if c != label]
+    numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
+    bad = [f"{c} ({schema.field(c).type})" for c in features
+           if not any(test(schema.field(c).type) for test in numeric)]
+    if bad:
+        raise DkicfIOError(
+            f"{src}: columns {', '.join(bad)} are not numeric; drop them, or name the class "
+            "column with label_column."
+        )
+    if not features:
+        raise DkicfIOError(f"{src} has no feature columns besides the label.")
+    coder = None
+    if label is not None:
+        coder = _LabelCoder(src)
+        for batch in pf.iter_batches(batch_size=block_rows, columns=[label]):
+            column = batch.column(0)
+            if column.null_count:
+                raise DkicfIOError(f"{src}: label column {label!r} has missing values.")
+            coder.add(column.to_numpy(zero_copy_only=False))
+
+    def read(rows: int):
+        columns = features + ([label] if label is not None else [])
+        for batch in pf.iter_batches(batch_size=rows, columns=columns):
+            Xb = np.column_stack(
+                [batch.column(i).to_numpy(zero_copy_only=False).astype(np.float64)
+                 for i in range(len(features))]
+            )
+            yb = None
+            if label is not None:
+                yb = batch.column(len(features)).to_numpy(zero_copy_only=False)
+            yield Xb, yb
+
+    return _Source("parquet", pf.metadata.num_rows, len(features), coder, read)
+
+
+def _open_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        return _npy_source(path, src, label_column)
+    if suffix == ".npz":
+        return _npz_source(path, src, label_column)
+    if suffix == ".csv":
+        return _csv_source(path, src, label_column, block_rows)
+    if suffix == ".parquet":
+        return _parquet_source(path, src, label_column, block_rows)
+    return _svmlight_source(path, src, label_column, block_rows)
+
+
+def convert(
+    src,
+    dst,
+    *,
+    dtype: str = "float32",
+    chunk_rows: int | None = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    label_column: str | int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Convert a data file to a dataset store, reading it in row blocks.
+
+    Supported sources (by suffix): ``.npy`` (memory-mapped, copied in row
+    blocks), ``.npz`` (array ``X`` and optional ``y``; X is streamed from the
+    zip member, y is read whole, and a Fortran-ordered X is read whole),
+    ``.csv`` (comma, tab or semicolon separated, detected from the first line;
+    a first line with any non-numeric field is a header; blank lines and lines
+    starting with ``#`` are skipped; read in blocks of lines), svmlight/LIBSVM
+    text (``.svm``, ``.libsvm``, ``.svmlight``,
+    ``.txt``: read twice in blocks of lines, first for the size and labels;
+    indices are 1-based unless the file uses index 0; written dense) and
+    ``.parquet`` (numeric columns, read batch by batch).  Large sources are
+    never loaded whole.
+
+    Labels (``y`` of an .npz, the first field of svmlight lines, the
+    ``label_column`` of a csv/parquet file) are stored as int64 class indices
+    ``0 .. c-1``; the original values, sorted (numerically when they are all
+    numbers), are saved in the attribute ``label_values``.
+
+    Parameters
+    ----------
+    src : str or path-like
+        A local file.
+    dst : str or path-like
+        The dataset store to create (local path or fsspec URL).
+    dtype : {"float32", "float64"}, default="float32"
+        dtype of the stored X.
+    chunk_rows : int, optional
+        Rows per chunk, and rows per block read from the source; by default
+        :func:`choose_row_chunk`.
+    overwrite : bool, default=False
+        Replace an existing store at ``dst`` (only after the new one is
+        complete, for local paths).
+    storage_options : dict, optional
+        Passed to fsspec for a ``dst`` URL.
+    label_column : str or int, optional
+        Name or index of the class column of a csv or parquet file; by default
+        no labels are read from them.
+    progress : callable, optional
+        Called as ``progress(rows_written, n_samples)`` after every chunk.
+
+    Returns
+    -------
+    info : dict
+        ``url``, ``source``, ``format``, ``shape``, ``chunks``, ``n_samples``,
+        ``n_features``, ``dtype``, ``chunk_rows``, ``labels`` (bool),
+        ``label_values`` and ``n_classes`` (None without labels).
+
+    Raises
+    ------
+    DkicfIOError
+        Missing or unsupported source, unreadable values, NaN or infinity (with
+        the row), labels whose count differs from X's rows, an existing
+        ``dst`` without ``overwrite``.  Nothing is left at ``dst`` then.
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> np.save(os.path.join(d, "x.npy"), np.arange(12.0).reshape(6, 2))
+    >>> info = convert(os.path.join(d, "x.npy"), os.path.join(d, "x.zarr"), chunk_rows=4)
+    >>> info["n_samples"], info["n_features"], info["dtype"]
+    (6, 2, 'float32')
+    """
+    path = Path(os.fspath(src)).expanduser()
+    src_name = os.fspath(src)
+    dst = os.fspath(dst)
+    target = _target_dtype(dtype)
+    if path.suffix.lower() not in _SUFFIXES:
+        raise DkicfIOError(
+            f"cannot convert {src_name}: unknown file type {path.suffix!r}; supported: "
+            f"{', '.join(_SUFFIXES)}."
+        )
+    if not path.is_file():
+        raise DkicfIOError(f"cannot convert {src_name}: no such file.")
+    check_writable(dst, overwrite=overwrite, storage_options=storage_options)
+    if chunk_rows is not None:
+        _positive_int(chunk_rows, "chunk_rows")
+    # Text sources are read in blocks of this many lines before the width is known.
+    block_rows = chunk_rows or 65536
+    source = _open_source(path, src_name, label_column, block_rows)
+    if source.n == 0 or source.d == 0:
+        raise DkicfIOError(f"{src_name} is empty: {source.n} rows, {source.d} columns.")
+    rows = _resolve_chunk_rows(chunk_rows, source.n, source.d, target)
+    label_values = source.labels.finish() if source.labels is not None else None
+
+    def blocks():
+        start = 0
+        for Xb, yb in source.read(rows):
+            Xb = _finite_block(Xb, target, start, src_name)
+            start += Xb.shape[0]
+            yield Xb, (None if source.labels is None else source.labels.encode(yb))
+
+    attrs = {
+        "source": path.name,
+        "source_format": source.fmt,
+        "dtype": str(target),
+        "shape": [source.n, source.d],
+        "created_by": f"dkicf {_version()}",
+    }
+    if label_values is not None:
+        attrs["label_values"] = label_values
+    _write_dataset(
+        dst, n=source.n, d=source.d, dtype=target, chunk_rows=rows,
+        labelled=label_values is not None, blocks=blocks(), attrs=attrs,
+        overwrite=overwrite, storage_options=storage_options, progress=progress,
+    )
+    return {
+        "url": dst,
+        "source": path.name,
+        "format": source.fmt,
+        "shape": [source.n, source.d],
+        "chunks": [rows, source.d],
+        "n_samples": source.n,
+        "n_features": source.d,
+        "dtype": str(target),
+        "chunk_rows": rows,
+        "labels": label_values is not None,
+        "label_values": label_values,
+        "n_classes": None if label_values is None else len(label_values),
+    }
+
+
+def generate(
+    kind: str,
+    dst,
+    n: int,
+    *,
+    chunk_rows: int | None = None,
+    dtype: str = "float64",
+    random_state: int = 0,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    **params,
+) -> dict[str, Any]:
+    """Write a synthetic dataset (:mod:`dkicf.synthetic`) chunk by chunk to a dataset store.
+
+    Only one chunk exists in memory at a time, so ``n`` may be far larger than
+    memory (1e8 rows and more).  The stored rows are those of
+    ``synthetic.generate_rows`` and do not depend on ``chunk_rows``.
+
+    Parameters
+    ----------
+    kind : str
+        A name in :data:`dkicf.synthetic.KINDS`.
+    dst : str or path-like
+        The dataset store to create.
+    n : int
+        Number of rows.
+    chunk_rows : int, optional
+        Rows per chunk; by default :func:`choose_row_chunk`.
+    dtype : {"float64", "float32"}, default="float64"
+        dtype of the stored X.
+    random_state : int, default=0
+        Seed of the dataset.
+    overwrite : bool, default=False
+        Replace an existing store at ``dst``.
+    storage_options : dict, optional
+        Passed to fsspec for a ``dst`` URL.
+    progress : callable, optional
+        Called as ``progress(rows_written, n)`` after every chunk.
+    **params
+        Parameters of the kind, e.g. ``n_features`` and ``centers`` for blobs.
+
+    Returns
+    -------
+    info : dict
+        ``url``, ``kind``, ``shape``, ``chunks``, ``n_samples``,
+        ``n_features``, ``dtype``, ``chunk_rows``, ``labels`` (True),
+        ``label_values`` and ``n_classes``.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> info = generate("blobs", os.path.join(d, "b.zarr"), 1000, chunk_rows=256, centers=4)
+    >>> info["n_samples"], info["n_features"], info["label_values"]
+    (1000, 2, [0, 1, 2, 3])
+    """
+    dst = os.fspath(dst)
+    described = synthetic.kind_info(kind, **params)
+    seed = synthetic._check_seed(random_state)
+    n = _positive_int(n, "n")
+    target = _target_dtype(dtype)
+    check_writable(dst, overwrite=overwrite, storage_options=storage_options)
+    d = described["n_features"]
+    rows = _resolve_chunk_rows(chunk_rows, n, d, target)
+    label_values = list(range(described["n_classes"]))
+
+    def blocks():
+        for lo in range(0, n, rows):
+            Xb, yb = synthetic.generate_rows(
+                kind, lo, min(lo + rows, n), n_total=n, random_state=seed, **params
+            )
+            yield Xb.astype(target, copy=False), yb
+
+    attrs = {
+        "source": f"synthetic:{kind}",
+        "source_format": "synthetic",
+        "synthetic": {"kind": kind, "random_state": seed, "params": described["params"]},
+        "dtype": str(target),
+        "shape": [n, d],
+        "created_by": f"dkicf {_version()}",
+        "label_values": label_values,
+    }
+    _write_dataset(
+        dst, n=n, d=d, dtype=target, chunk_rows=rows, labelled=True, blocks=blocks(),
+        attrs=attrs, overwrite=overwrite, storage_options=storage_options, progress=progress,
+    )
+    return {
+        "url": dst,
+        "kind": kind,
+        "shape": [n, d],
+        "chunks": [rows, d],
+        "n_samples": n,
+        "n_features": d,
+        "dtype": str(target),
+        "chunk_rows": rows,
+        "labels": True,
+        "label_values": label_values,
+        "n_classes": len(label_values),
+    }
+
+
+# --------------------------------------------------------------------------
+# fingerprints
+
+
+def fingerprint(arr_or_url, *, storage_options: dict | None = None) -> dict[str, Any]:
+    """Identify an array cheaply: location, shape, chunks, dtype and a content hash.
+
+    The hash is SHA-256 over the decoded values (C order, little-endian) of
+    the first and the last chunk only, so it notices a replaced or regenerated
+    array without reading it all.  Models and checkpoints store it to check
+    that they are used with the data they were made from.
+
+    Parameters
+    ----------
+    arr_or_url : zarr.Array, str or path-like
+        An open array or the location of one (checked like :func:`open_array`,
+        any number of dimensions).
+    storage_options : dict, optional
+        Passed to fsspec for URLs.
+
+    Returns
+    -------
+    dict
+        ``url``, ``shape``, ``chunks``, ``dtype``, ``zarr_format`` and
+        ``content_sha256``; JSON-ready.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> write_group("memory://doc/f.zarr", {"X": np.ones((5, 2))}, {})
+    >>> fp = fingerprint("memory://doc/f.zarr/X")
+    >>> fp["shape"], fp["chunks"], len(fp["content_sha256"])
+    ([5, 2], [5, 2], 64)
+    """
+    arr, url = _open_checked(arr_or_url, storage_options, ndim=None)
+    digest = hashlib.sha256()
+    digest.update(json.dumps([list(arr.shape), str(arr.dtype)]).encode())
+    if arr.size:
+        chunks = arr.chunks
+        first = tuple(slice(0, min(c, s)) for c, s in zip(chunks, arr.shape))
+        last = tuple(slice(((s - 1) // c) * c, s) for c, s in zip(chunks, arr.shape))
+        for region in (first, last):
+            values = np.ascontiguousarray(arr[region])
+            digest.update(values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes())
+    return {
+        "url": url,
+        "shape": list(arr.shape),
+        "chunks": list(arr.chunks),
+        "dtype": str(arr.dtype),
+        "zarr_format": int(arr.metadata.zarr_format),
+        "content_sha256": digest.hexdigest(),
+    }
+
+
+
+# --------------------------------------------------------------------------
+# outputs of a fit: a group written in stages, with large arrays from dask
+
+
+@contextlib.contextmanager
+def staged_group(url, *, overwrite: bool = False, storage_options: dict | None = None):
+    """Yield a location to build a group in; it appears at ``url`` only when complete.
+
+    For local paths the group is built in a temporary sibling and moved into
+    place at the end (an existing group is replaced only then, and only with
+    ``overwrite=True``); a failure leaves ``url`` as it was.  For other URLs
+    the group is written in place after the same checks.
+
+    Yields
+    ------
+    str
+        The location to write to (pass it to :func:`write_group` with
+        ``overwrite=True`` and to :func:`write_dask`).
+    """
+    url = os.fspath(url)
+    check_writable(url, overwrite=overwrite, storage_options=storage_options)
+    local = _local_path(url)
+    if local is None:
+        fs, path = _fs(url, storage_options)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        try:
+            yield url
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if fs.exists(path):
+                    fs.rm(path, recursive=True)
+            raise
+        return
+    local = local.absolute()
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.parent / f".{local.name}.dkicf-tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        yield str(tmp)
+        _publish(tmp, local, url, overwrite=overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_dask(group_url, name: str, darr, *, storage_options: dict | None = None) -> None:
+    """Write a dask array chunk by chunk as array ``name`` of an existing group.
+
+    Rows keep the dask array's (regular) row chunks and all columns go in one
+    chunk, so each task writes whole Zarr chunks of its own; nothing is
+    gathered to this process.
+    """
+    import dask.array as da
+
+    group_url = os.fspath(group_url)
+    rows = darr.chunks[0]
+    if len(set(rows[:-1])) > 1 or (len(rows) > 1 and rows[-1] > rows[0]):
+        darr = darr.rechunk({0: max(rows)})
+        rows = darr.chunks[0]
+    if darr.ndim > 1:
+        darr = darr.rechunk({i: -1 for i in range(1, darr.ndim)})
+    chunks = (max(rows[0], 1),) + tuple(max(s, 1) for s in darr.shape[1:])
+    group = zarr.open_group(store=_store(group_url, storage_options, read_only=False), mode="a")
+    arr = group.create_array(name, shape=darr.shape, chunks=chunks, dtype=darr.dtype,
+                             overwrite=True)
+    if darr.size:
+        da.store(darr, arr, lock=False)
+
+
+def open_member(url, name: str, *, storage_options: dict | None = None):
+    """A dask array over member ``name`` (any dimension) of a group, checked like the rest.
+
+    Returns None when the group has no such array.
+    """
+    import dask.array as da
+
+    url = os.fspath(url)
+    if name not in _group_arrays(url, storage_options):
+        return None
+    arr, _ = _open_checked(_join(url, name), storage_options, ndim=None)
+    return da.from_zarr(arr, chunks=arr.chunks)
+
+
+def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:
+    """What is at ``url``: ``("dataset" | "model" | "labels" | "group", details)``.
+
+    Details are JSON-ready: shape, chunks, dtype and sizes for a dataset;
+    kernel, rank and sizes for a model.
+    """
+    url = os.fspath(url)
+    node = _probe(url, storage_options)
+    if node.kind == "array":
+        arr = open_array(url, storage_options=storage_options)
+        return "dataset", _array_details(arr)
+    names = _group_arrays(url, storage_options)
+    group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+    attrs = dict(group.attrs)
+    if attrs.get("format") == "dkicf-model":
+        details = {
+            "kernel": attrs.get("kernel"),
+            "n_clusters": attrs.get("params", {}).get("n_clusters"),
+            "rank": attrs.get("rank"),
+            "n_features": attrs.get("n_features_in"),
+            "stop_reason": attrs.get("stop_reason"),
+            "arrays": names,
+        }
+        if "P" in names:
+            p = group["P"]
+            details["P"] = f"shape {list(p.shape)}, chunks {list(p.chunks)}"
+        if "input" in attrs:
+            details["input"] = attrs["input"].get("url")
+        return "model", details
+    if "X" in names:
+        X, y, info = open_dataset(url, storage_options=storage_options)
+        details = _array_details(group["X"])
+        if y is not None:
+            details["labels"] = f"y, {len(info.get('label_values') or [])} classes"
+        return "dataset", details
+    if attrs.get("format") == "dkicf-labels":
+        return "labels", {"arrays": names, "model": attrs.get("model")}
+    return "group", {"arrays": names}
+
+
+def _array_details(arr) -> dict:
+    nbytes = int(np.prod(arr.shape)) * np.dtype(arr.dtype).itemsize
+    return {
+        "shape": list(arr.shape),
+        "chunks": list(arr.chunks),
+        "dtype": str(arr.dtype),
+        "size": f"{nbytes / 2**20:.1f} MiB",
+        "n_chunks": int(np.prod([-(-s // c) for s, c in zip(arr.shape, arr.chunks)])),
+    }

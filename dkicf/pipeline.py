@@ -1,0 +1,311 @@
+"""From a Zarr dataset to a model and labels on a cluster, never holding X or P whole.
+
+Planning (how much memory one task and the whole factor need, whether X and
+P stay in worker memory) is separated from execution, so ``dkicf info`` can
+show the same estimates that ``dkicf fit`` acts on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FitPlan", "plan_fit", "fit_store", "predict_store", "describe"]
+
+# Fraction of a worker's memory limit that one task may use, and of the
+# cluster's memory that P (and X, when held) may use.
+_TASK_FRACTION = 0.5
+_HOLD_FRACTION = 0.6
+
+
+@dataclass
+class FitPlan:
+    """Memory estimates of a fit and the decisions taken from them.
+
+    All sizes are bytes.  ``task_bytes`` is one chunk task of the
+    factorization: the X chunk (as stored and widened to float64), its rows of
+    P, the kernel column block and a few per-row vectors.
+    """
+
+    n_samples: int
+    n_features: int
+    rank: int
+    chunk_rows: int
+    n_chunks: int
+    x_bytes: int
+    p_bytes: int
+    task_bytes: int
+    worker_memory: int | None
+    cluster_memory: int | None
+    threads_per_worker: int
+    persist_x: bool
+    p_storage: str
+    rechunked: bool = False
+
+    def lines(self) -> list[str]:
+        def gb(b):
+            return "unknown" if b is None else f"{b / 2**30:.3f} GiB"
+
+        return [
+            f"estimated memory of a fit at rank {self.rank}:",
+            f"  X: {gb(self.x_bytes)}, P: {gb(self.p_bytes)} ({self.n_chunks} chunks "
+            f"of {self.chunk_rows} rows)",
+            f"  one task: {gb(self.task_bytes)}"
+            + (f" (worker limit {gb(self.worker_memory)})" if self.worker_memory else ""),
+            f"  X held in worker memory: {self.persist_x}; P kept in: {self.p_storage}",
+        ]
+
+
+def _task_bytes(rows: int, d: int, itemsize: int, s: int, block: int = 1) -> int:
+    return int(rows * (d * itemsize + 8 * d + 8 * s + 8 * (4 + 2 * block)) + 8 * s * (s + d))
+
+
+def plan_fit(
+    shape: tuple[int, int],
+    chunk_rows: int,
+    itemsize: int,
+    rank: int,
+    *,
+    worker_memory: int | None = None,
+    n_workers: int = 1,
+    threads_per_worker: int = 1,
+    p_storage: str = "auto",
+    persist: str = "auto",
+) -> FitPlan:
+    """Estimate the memory of a fit and decide chunking, X residency and P storage.
+
+    Raises
+    ------
+    MemoryError
+        When even a small chunk cannot fit a worker; the message says what to change.
+    """
+    n, d = shape
+    s = min(rank, n)
+    x_bytes = n * d * itemsize
+    p_bytes = 8 * n * s
+    task = _task_bytes(chunk_rows, d, itemsize, s)
+    rechunked = False
+    cluster_memory = worker_memory * n_workers if worker_memory else None
+    if worker_memory:
+        budget = _TASK_FRACTION * worker_memory / max(threads_per_worker, 1)
+        if task > budget:
+            per_row = _task_bytes(1, d, itemsize, s) - 8 * s * (s + d)
+            rows = int((budget - 8 * s * (s + d)) // max(per_row, 1))
+            if rows < 256:
+                raise MemoryError(
+                    f"one task of the factorization needs about {task / 2**20:.0f} MiB "
+                    f"({chunk_rows} rows x {d} features at rank {s}) and even 256 rows "
+                    f"need more than {budget / 2**20:.0f} MiB per worker thread; give the "
+                    f"workers more memory (--memory-limit), fewer threads (--threads), "
+                    f"or lower the rank (--rank)."
+                )
+            chunk_rows, rechunked = rows, True
+            task = _task_bytes(chunk_rows, d, itemsize, s)
+    if persist == "auto":
+        persist_x = cluster_memory is not None and (
+            x_bytes + p_bytes < _HOLD_FRACTION * cluster_memory
+        )
+    else:
+        persist_x = persist == "yes"
+    if p_storage == "auto":
+        fits = cluster_memory is None or p_bytes < _HOLD_FRACTION * cluster_memory
+        p_storage = "memory" if fits else "zarr"
+    return FitPlan(
+        n_samples=n, n_features=d, rank=s, chunk_rows=int(chunk_rows),
+        n_chunks=math.ceil(n / chunk_rows), x_bytes=x_bytes, p_bytes=p_bytes, task_bytes=task,
+        worker_memory=worker_memory, cluster_memory=cluster_memory,
+        threads_per_worker=threads_per_worker, persist_x=persist_x, p_storage=p_storage,
+        rechunked=rechunked,
+    )
+
+
+def _worker_resources(client) -> tuple[int | None, int, int]:
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    if not workers:
+        raise RuntimeError(
+            "the dask cluster has no workers; start some or wait for them before fitting."
+        )
+    limits = [w.get("memory_limit") or 0 for w in workers.values()]
+    threads = max(w.get("nthreads", 1) for w in workers.values())
+    limit = min(limits) if all(limits) else None
+    return limit, len(workers), threads
+
+
+def _contingency(labels, y, n_clusters: int):
+    """k x c counts of (label, class) pairs, reduced chunk by chunk."""
+    import dask.array as da
+
+    n_classes = int(y.max().compute()) + 1
+    pairs = labels.astype(np.int64) * n_classes + y.astype(np.int64)
+    counts = da.bincount(pairs, minlength=n_clusters * n_classes).compute()
+    return np.asarray(counts).reshape(n_clusters, n_classes)
+
+
+def _accuracy_from_contingency(table: np.ndarray) -> float:
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(-table)
+    return float(table[rows, cols].sum() / table.sum())
+
+
+def fit_store(
+    store: str,
+    out: str,
+    params: dict,
+    *,
+    client,
+    overwrite: bool = False,
+    p_storage: str = "auto",
+    persist: str = "auto",
+    storage_options: dict | None = None,
+    progress=None,
+) -> dict:
+    """Fit :class:`~dkicf.KernelKMeans` on a Zarr dataset and write the output group.
+
+    The output group holds the model (pivots, pivot rows of X, L, centres,
+    trace errors, kernel and parameters, versions, input fingerprint) and the
+    ``labels`` and ``P`` arrays chunked like X.
+
+    Returns
+    -------
+    dict
+        Figures of the run (timings, rank, inertia, accuracy when the dataset
+        has labels).
+    """
+    from . import io
+    from .estimator import KernelKMeans, _model_arrays_attrs
+    from .icf import incomplete_cholesky
+    from .kmeans import kmeans
+
+    t_start = time.perf_counter()
+    X, y, info = io.open_dataset(store, storage_options=storage_options)
+    model = KernelKMeans(**params)
+    model._check_params(X.shape[0])
+    worker_memory, n_workers, threads = _worker_resources(client)
+    plan = plan_fit(
+        X.shape, X.chunks[0][0], X.dtype.itemsize, model.rank,
+        worker_memory=worker_memory, n_workers=n_workers, threads_per_worker=threads,
+        p_storage=p_storage, persist=persist,
+    )
+    if plan.rechunked:
+        logger.warning("re-chunking X to %d rows per chunk so a task fits a worker",
+                       plan.chunk_rows)
+        X = X.rechunk({0: plan.chunk_rows, 1: -1})
+        if y is not None:
+            y = y.rechunk({0: plan.chunk_rows})
+    if plan.p_storage == "zarr":
+        raise MemoryError(
+            f"P needs {plan.p_bytes / 2**30:.2f} GiB, more than {_HOLD_FRACTION:.0%} of the "
+            f"cluster's memory ({(plan.cluster_memory or 0) / 2**30:.2f} GiB); add workers "
+            "or memory, or lower --rank."
+        )
+    icf_seed, km_seed = model._seeds()
+    t0 = time.perf_counter()
+    icf = incomplete_cholesky(
+        X, kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
+        max_rank=model.rank, tol=model.tol, client=client, persist=plan.persist_x,
+        random_state=icf_seed, progress=progress,
+    )
+    t_icf = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    km = kmeans(
+        icf.P, model.n_clusters, algorithm=model.algorithm, batch_size=model.batch_size,
+        n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
+        random_state=km_seed, client=client, progress=progress,
+    )
+    t_km = time.perf_counter() - t0
+    model.n_features_in_ = X.shape[1]
+    model._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
+    arrays, attrs = _model_arrays_attrs(model)
+    attrs["input"] = _input_fingerprint(store, info, storage_options)
+    attrs["plan"] = asdict(plan)
+    t0 = time.perf_counter()
+    with io.staged_group(out, overwrite=overwrite, storage_options=storage_options) as target:
+        io.write_group(target, arrays, attrs, overwrite=True, storage_options=storage_options)
+        io.write_dask(target, "labels", km.labels.astype(np.int32),
+                      storage_options=storage_options)
+        io.write_dask(target, "P", icf.P, storage_options=storage_options)
+    t_write = time.perf_counter() - t0
+    report = {
+        "n_samples": int(X.shape[0]),
+        "n_features": int(X.shape[1]),
+        "rank": icf.rank,
+        "stop_reason": icf.stop_reason,
+        "trace_error": float(icf.trace_errors[-1]) if icf.rank else float(icf.initial_trace),
+        "n_passes": icf.n_passes,
+        "gamma": getattr(icf.kernel, "gamma", None),
+        "inertia": km.inertia,
+        "icf_s": t_icf,
+        "icf_ms_per_iteration": 1000 * t_icf / max(icf.rank, 1),
+        "kmeans_s": t_km,
+        "write_s": t_write,
+        "total_s": time.perf_counter() - t_start,
+        "out": out,
+    }
+    if y is not None:
+        table = _contingency(km.labels, y, model.n_clusters)
+        report["accuracy"] = _accuracy_from_contingency(table)
+    return report
+
+
+def predict_store(
+    model_path: str,
+    store: str,
+    out: str,
+    *,
+    client,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+) -> dict:
+    """Assign the points of a Zarr dataset with a saved model; write ``labels`` to ``out``."""
+    from . import io
+    from .estimator import load
+
+    model = load(model_path, storage_options=storage_options)
+    X, y, _ = io.open_dataset(store, storage_options=storage_options)
+    if X.shape[1] != model.n_features_in_:
+        raise ValueError(
+            f"{store} has {X.shape[1]} features but the model was fitted on "
+            f"{model.n_features_in_}; predict with data of the same features."
+        )
+    t0 = time.perf_counter()
+    labels = model.predict(X).astype(np.int32)
+    with io.staged_group(out, overwrite=overwrite, storage_options=storage_options) as target:
+        attrs = {"format": "dkicf-labels", "model": str(model_path),
+                 "input": _input_fingerprint(store, None, storage_options)}
+        io.write_group(target, {}, attrs, overwrite=True, storage_options=storage_options)
+        io.write_dask(target, "labels", labels, storage_options=storage_options)
+    report = {"n_samples": int(X.shape[0]), "predict_s": time.perf_counter() - t0, "out": out}
+    if y is not None:
+        stored = io.open_member(out, "labels", storage_options=storage_options)
+        table = _contingency(stored.rechunk(y.chunks), y, model.n_clusters)
+        report["accuracy"] = _accuracy_from_contingency(table)
+    return report
+
+
+def _input_fingerprint(store: str, info, storage_options) -> dict:
+    from . import io
+
+    node = store if io._probe(store, storage_options).kind == "array" else io._join(store, "X")
+    return io.fingerprint(node, storage_options=storage_options)
+
+
+def describe(path: str, *, rank: int = 100, storage_options: dict | None = None) -> list[str]:
+    """Lines describing a dataset (shape, chunks, sizes, fit estimate) or a model."""
+    from . import io
+
+    kind, meta = io.inspect(path, storage_options=storage_options)
+    lines = [f"{path}: {kind}"]
+    for key, value in meta.items():
+        lines.append(f"  {key}: {value}")
+    if kind == "dataset":
+        n, d = meta["shape"]
+        plan = plan_fit((n, d), meta["chunks"][0], np.dtype(meta["dtype"]).itemsize, rank)
+        lines += plan.lines()
+    return lines

@@ -1,0 +1,176 @@
+"""KernelKMeans: the estimator contract, the paper's synthetic experiment, bad input."""
+
+import pickle
+
+import dask.array as da
+import numpy as np
+import pytest
+from sklearn.cluster import KMeans
+from sklearn.metrics import adjusted_rand_score
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from dkicf import KernelKMeans, incomplete_cholesky
+from dkicf.kernels import GaussianKernel
+from dkicf.kmeans import kmeans
+from dkicf.metrics import clustering_accuracy
+from dkicf.synthetic import make_parabolic, make_ring, make_zigzag
+
+
+def _exact_kernel_kmeans(K, labels, max_iter=300):
+    """Lloyd in the kernel's feature space from an initial assignment (the oracle)."""
+    n = K.shape[0]
+    k = labels.max() + 1
+    diag = np.diag(K)
+    for _ in range(max_iter):
+        dist = np.empty((n, k))
+        for c in range(k):
+            members = labels == c
+            m = members.sum()
+            dist[:, c] = (diag - 2 * K[:, members].sum(1) / m
+                          + K[np.ix_(members, members)].sum() / m**2)
+        new = dist.argmin(1)
+        if np.array_equal(new, labels):
+            break
+        labels = new
+    return labels
+
+
+@parametrize_with_checks(
+    [KernelKMeans(n_clusters=3, rank=20, n_init=1, max_iter=30, random_state=0)]
+)
+def test_scikit_learn_estimator_checks(estimator, check):
+    check(estimator)
+
+
+def test_full_rank_equals_exact_kernel_kmeans_from_the_same_start(rng):
+    X = np.vstack([rng.normal(loc=c, scale=0.6, size=(40, 2)) for c in ((0, 0), (3, 0), (0, 3))])
+    gamma = 0.5
+    K = GaussianKernel(gamma).block(X, X)
+    init = rng.integers(0, 3, size=X.shape[0])
+    exact = _exact_kernel_kmeans(K, init.copy())
+    icf = incomplete_cholesky(X, gamma=gamma, max_rank=X.shape[0], tol=0)
+    np.testing.assert_allclose(icf.P @ icf.P.T, K, atol=1e-8)
+    start = np.stack([icf.P[init == c].mean(0) for c in range(3)])
+    km = kmeans(icf.P, 3, algorithm="lloyd", init=start, n_init=1, max_iter=300, tol=0)
+    assert adjusted_rand_score(exact, km.labels) == 1.0
+
+
+@pytest.mark.parametrize(
+    "make, gamma", [(make_ring, 2.0**4), (make_parabolic, 2.0**1), (make_zigzag, 2.0**3)]
+)
+def test_paper_synthetic_sets_are_clustered_perfectly(make, gamma):
+    X, y = make(1000, random_state=0)
+    model = KernelKMeans(n_clusters=2, gamma=gamma, rank=50, random_state=0).fit(X)
+    assert model.rank_ == 50
+    assert clustering_accuracy(y, model.labels_) == 1.0
+    # ... and plain k-means does not manage it.
+    plain = KMeans(2, n_init=10, random_state=0).fit_predict(X)
+    assert clustering_accuracy(y, plain) < 0.9
+
+
+def test_predict_on_training_points_returns_labels_and_transform_returns_P():
+    X, _ = make_ring(600, random_state=1)
+    model = KernelKMeans(n_clusters=2, gamma=16.0, rank=40, random_state=0).fit(X)
+    np.testing.assert_array_equal(model.predict(X), model.labels_)
+    icf = incomplete_cholesky(X, gamma=16.0, max_rank=40, tol=model.tol)
+    np.testing.assert_allclose(model.transform(X), icf.P, atol=1e-8)
+    np.testing.assert_array_equal(model.pivots_, icf.pivots)
+
+
+def test_numpy_and_dask_give_the_same_clustering(client):
+    X, _ = make_ring(1200, random_state=2)
+    ref = KernelKMeans(n_clusters=2, gamma=16.0, rank=30, random_state=5).fit(X)
+    Xd = da.from_array(X, chunks=((100, 500, 77, 523), (2,)))
+    est = KernelKMeans(n_clusters=2, gamma=16.0, rank=30, random_state=5)
+    labels = est.fit_predict(Xd)
+    assert isinstance(labels, da.Array)
+    np.testing.assert_array_equal(est.pivots_, ref.pivots_)
+    np.testing.assert_array_equal(labels.compute(), ref.labels_)
+    np.testing.assert_allclose(est.cluster_centers_, ref.cluster_centers_, atol=1e-8)
+    pred = est.predict(Xd)
+    assert isinstance(pred, da.Array)
+    np.testing.assert_array_equal(pred.compute(), ref.labels_)
+
+
+def test_results_are_reproducible_for_a_seed():
+    X, _ = make_zigzag(500, random_state=0)
+    a = KernelKMeans(n_clusters=2, gamma=8.0, rank=30, random_state=3).fit(X)
+    b = KernelKMeans(n_clusters=2, gamma=8.0, rank=30, random_state=3).fit(X)
+    np.testing.assert_array_equal(a.labels_, b.labels_)
+    np.testing.assert_array_equal(a.cluster_centers_, b.cluster_centers_)
+
+
+def test_fitted_model_pickles_without_lazy_state(client):
+    X, _ = make_ring(400, random_state=0)
+    model = KernelKMeans(n_clusters=2, gamma=16.0, rank=20, random_state=0)
+    model.fit(da.from_array(X, chunks=100))
+    clone = pickle.loads(pickle.dumps(model))
+    for value in vars(clone).values():
+        assert not isinstance(value, da.Array)
+    np.testing.assert_array_equal(clone.predict(X), model.predict(X))
+
+
+def test_save_and_load_predict_identically(tmp_path, rng):
+    from dkicf import load
+
+    X, _ = make_parabolic(500, random_state=0)
+    model = KernelKMeans(n_clusters=2, gamma=2.0, rank=30, random_state=0).fit(X)
+    path = tmp_path / "model.zarr"
+    model.save(str(path))
+    loaded = load(str(path))
+    X_new = rng.uniform(X.min(0), X.max(0), size=(300, 2))
+    np.testing.assert_array_equal(loaded.predict(X_new), model.predict(X_new))
+    np.testing.assert_array_equal(loaded.transform(X_new), model.transform(X_new))
+    # An existing model is not overwritten without overwrite=True, and stays intact.
+    before = sorted(p.relative_to(path) for p in path.rglob("*"))
+    with pytest.raises(FileExistsError, match="overwrite"):
+        model.save(str(path))
+    assert sorted(p.relative_to(path) for p in path.rglob("*")) == before
+    np.testing.assert_array_equal(load(str(path)).predict(X_new), model.predict(X_new))
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"n_clusters": 0}, "n_clusters must be >= 1, got 0"),
+        ({"n_clusters": 500}, "n_samples=50 should be >= n_clusters=500"),
+        ({"rank": 0}, "rank must be >= 1, got 0"),
+        ({"gamma": -1.0}, "gamma must be a positive finite number or 'median', got -1.0"),
+        ({"gamma": 0.0}, "gamma must be a positive"),
+        ({"kernel": "sigmoid"}, "Unknown kernel 'sigmoid'. Valid kernels are"),
+        ({"algorithm": "elkan"}, "algorithm must be one of 'minibatch', 'lloyd', got 'elkan'"),
+    ],
+)
+def test_bad_parameters_name_the_parameter(params, match, rng):
+    X = rng.normal(size=(50, 2))
+    with pytest.raises(ValueError, match=match):
+        KernelKMeans(**params).fit(X)
+
+
+@pytest.mark.parametrize(
+    "X, match",
+    [
+        (np.array([[0.0, np.nan], [1.0, 2.0]]), "NaN"),
+        (np.array([[0.0, np.inf], [1.0, 2.0]]), "infinity"),
+        (np.zeros(4), "2D array|2-D"),
+    ],
+)
+def test_bad_X_is_refused(X, match):
+    with pytest.raises(ValueError, match=match):
+        KernelKMeans(n_clusters=1).fit(X)
+
+
+def test_non_numeric_X_is_refused():
+    with pytest.raises((TypeError, ValueError), match="numeric|real|convert"):
+        KernelKMeans(n_clusters=1).fit(np.array([["a", "b"], ["c", "d"]], dtype=object))
+
+
+def test_predict_checks_fitted_state_and_features(rng):
+    from sklearn.exceptions import NotFittedError
+
+    X = rng.normal(size=(60, 3))
+    with pytest.raises(NotFittedError):
+        KernelKMeans(n_clusters=2).predict(X)
+    model = KernelKMeans(n_clusters=2, gamma=0.5, rank=10, random_state=0).fit(X)
+    with pytest.raises(ValueError, match="X has 2 features, but KernelKMeans is expecting 3"):
+        model.predict(X[:, :2])

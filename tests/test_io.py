@@ -1,0 +1,656 @@
+"""Zarr in/out: conversion round trips, streaming, safe writes, refusing unsafe stores."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from dkicf import __version__, io, synthetic
+from dkicf.errors import DkicfError
+from dkicf.io import DkicfIOError
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` with its bytes, for byte-exact comparisons."""
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".dkicf-" in p.name]
+
+
+def _read(url, **kw):
+    X, y, info = io.open_dataset(url, **kw)
+    return X.compute(), (None if y is None else y.compute()), info
+
+
+class _Boom:
+    """Unpickling this creates ``marker``: a stand-in for a malicious payload."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _pickle_store_v2(root: Path, marker: Path) -> Path:
+    """A Zarr v2 array whose metadata declares a pickle filter, with a live pickle chunk."""
+    root.mkdir()
+    zarray = {
+        "zarr_format": 2,
+        "shape": [1, 1],
+        "chunks": [1, 1],
+        "dtype": "<f8",
+        "compressor": None,
+        "fill_value": 0.0,
+        "filters": [{"id": "pickle", "protocol": 4}],
+        "order": "C",
+        "dimension_separator": ".",
+    }
+    (root / ".zarray").write_text(json.dumps(zarray))
+    (root / "0.0").write_bytes(pickle.dumps(_Boom(marker), protocol=4))
+    return root
+
+
+# --------------------------------------------------------------------------
+# chunk size rule
+
+
+def test_choose_row_chunk_rule():
+    assert io.choose_row_chunk(2, 8) == 16 * 2**20 // 16
+    assert io.choose_row_chunk(1000, 4) == 16 * 2**20 // 4000
+    assert io.choose_row_chunk(1000, 4, max_bytes=2 * 2**20) == 2 * 2**20 // 4000
+    # min_bytes wins over a small target, max_bytes wins over both.
+    assert io.choose_row_chunk(10, 8, target_bytes=800, min_bytes=8000) == 100
+    assert io.choose_row_chunk(10, 8, target_bytes=800, min_bytes=8000, max_bytes=160) == 2
+    # A row larger than the target still gives one row per chunk.
+    assert io.choose_row_chunk(10**7, 8) == 1
+    rows = io.choose_row_chunk(37, 4)
+    assert 2**20 <= rows * 37 * 4 <= 16 * 2**20
+    with pytest.raises(ValueError, match="n_features must be >= 1"):
+        io.choose_row_chunk(0, 8)
+    with pytest.raises(TypeError, match="itemsize must be an integer"):
+        io.choose_row_chunk(3, 8.0)
+
+
+# --------------------------------------------------------------------------
+# convert: round trips for every format
+
+
+def test_convert_npy_round_trip(tmp_path):
+    X = np.random.default_rng(0).normal(size=(103, 3))
+    np.save(tmp_path / "x.npy", X)
+    info = io.convert(tmp_path / "x.npy", tmp_path / "x.zarr", dtype="float64", chunk_rows=10)
+    assert info["n_samples"] == 103 and info["n_features"] == 3 and not info["labels"]
+    assert info["shape"] == [103, 3] and info["chunks"] == [10, 3]
+    got, y, meta = _read(tmp_path / "x.zarr")
+    np.testing.assert_array_equal(got, X)
+    assert y is None
+    group = zarr.open_group(tmp_path / "x.zarr", mode="r")
+    assert group["X"].chunks == (10, 3)
+    attrs = meta["attrs"]
+    assert attrs["source"] == "x.npy" and attrs["dtype"] == "float64"
+    assert attrs["shape"] == [103, 3] and attrs["created_by"] == f"dkicf {__version__}"
+
+
+def test_convert_npy_to_float32(tmp_path):
+    X = np.arange(40, dtype=np.int16).reshape(20, 2)
+    np.save(tmp_path / "x.npy", X)
+    io.convert(tmp_path / "x.npy", tmp_path / "x.zarr")
+    got, _, info = _read(tmp_path / "x.zarr")
+    assert got.dtype == np.float32 and info["dtype"] == "float32"
+    np.testing.assert_array_equal(got, X.astype(np.float32))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_convert_npz_round_trip_with_labels(tmp_path, compress):
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(57, 4))
+    y = rng.choice([7, -3, 12], size=57)
+    (np.savez_compressed if compress else np.savez)(tmp_path / "d.npz", X=X, y=y)
+    info = io.convert(tmp_path / "d.npz", tmp_path / "d.zarr", dtype="float64", chunk_rows=8)
+    assert info["label_values"] == [-3, 7, 12] and info["n_classes"] == 3
+    got, labels, meta = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(got, X)
+    assert labels.dtype == np.int64
+    np.testing.assert_array_equal(np.array(meta["label_values"])[labels], y)
+    assert meta["attrs"]["label_values"] == [-3, 7, 12]
+
+
+def test_convert_npz_fortran_order(tmp_path):
+    X = np.asfortranarray(np.arange(30.0).reshape(10, 3))
+    np.savez(tmp_path / "f.npz", X=X)
+    io.convert(tmp_path / "f.npz", tmp_path / "f.zarr", dtype="float64", chunk_rows=4)
+    np.testing.assert_array_equal(_read(tmp_path / "f.zarr")[0], X)
+
+
+def test_convert_csv_with_header_and_text_labels(tmp_path):
+    rng = np.random.default_rng(2)
+    X = np.round(rng.normal(size=(31, 3)), 6)
+    names = np.array(["setosa", "virginica", "versicolor"])[np.arange(31) % 3]
+    lines = ["a,b,species,c"] + [
+        f"{r[0]},{r[1]},{s},{r[2]}" for r, s in zip(X, names)
+    ]
+    (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
+    info = io.convert(tmp_path / "d.csv", tmp_path / "d.zarr", dtype="float64",
+                      chunk_rows=5, label_column="species")
+    assert info["label_values"] == ["setosa", "versicolor", "virginica"]
+    got, labels, meta = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(got, X)
+    np.testing.assert_array_equal(np.array(meta["label_values"])[labels], names)
+
+
+def test_convert_csv_without_header_index_label_and_plain(tmp_path):
+    X = np.arange(24.0).reshape(8, 3) / 4
+    labels = np.array([2, 1, 2, 1, 2, 1, 2, 1])
+    rows = [";".join([f"{v}" for v in x] + [str(c)]) for x, c in zip(X, labels)]
+    (tmp_path / "d.csv").write_text("# a comment line\n" + "\n".join(rows) + "\n\n")
+    io.convert(tmp_path / "d.csv", tmp_path / "a.zarr", dtype="float64", label_column=-1)
+    got, y, meta = _read(tmp_path / "a.zarr")
+    np.testing.assert_array_equal(got, X)
+    np.testing.assert_array_equal(np.array(meta["label_values"])[y], labels)
+    # Without label_column every column is a feature and there is no y.
+    io.convert(tmp_path / "d.csv", tmp_path / "b.zarr", dtype="float64")
+    got, y, _ = _read(tmp_path / "b.zarr")
+    np.testing.assert_array_equal(got, np.column_stack([X, labels]))
+    assert y is None
+
+
+def test_convert_svmlight_round_trip(tmp_path):
+    text = (
+        "# header comment\n"
+        "+1 1:0.5 3:2.0 # trailing comment\n"
+        "-1 qid:4 2:-1.5\n"
+        "+1 5:7\n"
+        "-1\n"
+        "1 1:1 2:2 3:3 4:4 5:5\n"
+    )
+    (tmp_path / "d.svm").write_text(text)
+    info = io.convert(tmp_path / "d.svm", tmp_path / "d.zarr", dtype="float64", chunk_rows=2)
+    expected = np.array(
+        [[0.5, 0, 2, 0, 0], [0, -1.5, 0, 0, 0], [0, 0, 0, 0, 7], [0, 0, 0, 0, 0], [1, 2, 3, 4, 5]]
+    )
+    assert info["n_samples"] == 5 and info["n_features"] == 5
+    assert info["label_values"] == [-1, 1]
+    got, y, meta = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(y, [1, 0, 1, 0, 1])
+    assert meta["attrs"]["source_format"] == "svmlight"
+
+
+@pytest.mark.parametrize("suffix", [".libsvm", ".txt"])
+def test_convert_svmlight_zero_based(tmp_path, suffix):
+    (tmp_path / f"d{suffix}").write_text("0 0:1 2:3\n1 1:2\n")
+    io.convert(tmp_path / f"d{suffix}", tmp_path / "d.zarr", dtype="float64")
+    got, y, _ = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(got, [[1, 0, 3], [0, 2, 0]])
+    np.testing.assert_array_equal(y, [0, 1])
+
+
+def test_convert_parquet_round_trip(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rng = np.random.default_rng(3)
+    n = 45
+    table = pa.table({
+        "f0": rng.normal(size=n),
+        "label": np.array(["b", "a", "c"])[np.arange(n) % 3],
+        "f1": rng.integers(0, 10, size=n).astype(np.int32),
+        "f2": rng.normal(size=n).astype(np.float32),
+    })
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=10)
+    info = io.convert(tmp_path / "d.parquet", tmp_path / "d.zarr", dtype="float64",
+                      chunk_rows=7, label_column="label")
+    assert info["n_features"] == 3 and info["label_values"] == ["a", "b", "c"]
+    got, y, meta = _read(tmp_path / "d.zarr")
+    expected = np.column_stack([table[c].to_numpy().astype(np.float64) for c in ("f0", "f1", "f2")])
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.array(meta["label_values"])[y], table["label"].to_numpy())
+    with pytest.raises(DkicfIOError, match=r"columns label \(string\) are not numeric"):
+        io.convert(tmp_path / "d.parquet", tmp_path / "e.zarr")
+    assert not (tmp_path / "e.zarr").exists()
+
+
+# --------------------------------------------------------------------------
+# streaming
+
+
+def test_npy_is_read_through_a_memmap_in_row_blocks(tmp_path, monkeypatch):
+    X = np.random.default_rng(4).normal(size=(95, 2))
+    np.save(tmp_path / "x.npy", X)
+    calls, slices = [], []
+    real_load = np.load
+
+    class _Recorder:
+        def __init__(self, arr):
+            self._arr = arr
+            self.shape, self.dtype, self.ndim = arr.shape, arr.dtype, arr.ndim
+
+        def __getitem__(self, key):
+            slices.append(key)
+            return self._arr[key]
+
+    def spy(*args, **kwargs):
+        arr = real_load(*args, **kwargs)
+        calls.append((kwargs.get("mmap_mode"), isinstance(arr, np.memmap)))
+        return _Recorder(arr)
+
+    monkeypatch.setattr(np, "load", spy)
+    io.convert(tmp_path / "x.npy", tmp_path / "x.zarr", dtype="float64", chunk_rows=20)
+    monkeypatch.undo()
+    assert calls == [("r", True)]
+    assert [(s.start, s.stop) for s in slices] == [(0, 20), (20, 40), (40, 60), (60, 80), (80, 100)]
+    np.testing.assert_array_equal(_read(tmp_path / "x.zarr")[0], X)
+
+
+def test_large_npy_and_npz_are_never_loaded_whole(tmp_path):
+    X = np.random.default_rng(5).random((50_000, 10))  # 4 MB
+    np.save(tmp_path / "x.npy", X)
+    np.savez_compressed(tmp_path / "x.npz", X=X)
+    del X
+    for name in ("x.npy", "x.npz"):
+        tracemalloc.start()
+        try:
+            io.convert(tmp_path / name, tmp_path / f"{name}.zarr", dtype="float64",
+                       chunk_rows=1000)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1_000_000, (name, peak)
+
+
+def test_text_sources_are_parsed_block_by_block(tmp_path, monkeypatch):
+    X = np.arange(46.0).reshape(23, 2)
+    (tmp_path / "d.csv").write_text("\n".join(f"{a},{b}" for a, b in X) + "\n")
+    (tmp_path / "d.svmlight").write_text(
+        "\n".join(f"{i % 2} 1:{a} 2:{b}" for i, (a, b) in enumerate(X)) + "\n"
+    )
+    sizes = []
+    real = np.loadtxt
+
+    def spy(lines, *args, **kwargs):
+        lines = list(lines)
+        sizes.append(len(lines))
+        return real(lines, *args, **kwargs)
+
+    monkeypatch.setattr(np, "loadtxt", spy)
+    io.convert(tmp_path / "d.csv", tmp_path / "c.zarr", dtype="float64", chunk_rows=5)
+    assert sizes == [5, 5, 5, 5, 3]
+    blocks = []
+    real_blocks = io._line_blocks
+
+    def block_spy(path, rows, skip=0):
+        for block in real_blocks(path, rows, skip):
+            blocks.append(len(block))
+            yield block
+
+    monkeypatch.setattr(io, "_line_blocks", block_spy)
+    io.convert(tmp_path / "d.svmlight", tmp_path / "s.zarr", dtype="float64", chunk_rows=4)
+    # Two passes over the file, each in blocks of at most 4 lines.
+    assert blocks == [4, 4, 4, 4, 4, 3] * 2
+    monkeypatch.undo()
+    np.testing.assert_array_equal(_read(tmp_path / "c.zarr")[0], X)
+    np.testing.assert_array_equal(_read(tmp_path / "s.zarr")[0], X)
+
+
+def test_progress_reports_every_chunk(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((25, 2)))
+    seen = []
+    io.convert(tmp_path / "x.npy", tmp_path / "x.zarr", chunk_rows=10,
+               progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(10, 25), (20, 25), (25, 25)]
+
+
+# --------------------------------------------------------------------------
+# generate
+
+
+def test_generate_is_independent_of_chunk_size(tmp_path):
+    a = io.generate("blobs", tmp_path / "a.zarr", 1000, chunk_rows=64, centers=5, n_features=3)
+    b = io.generate("blobs", tmp_path / "b.zarr", 1000, chunk_rows=333, centers=5, n_features=3)
+    assert a["chunks"] == [64, 3] and b["chunks"] == [333, 3]
+    Xa, ya, info = _read(tmp_path / "a.zarr")
+    Xb, yb, _ = _read(tmp_path / "b.zarr")
+    np.testing.assert_array_equal(Xa, Xb)
+    np.testing.assert_array_equal(ya, yb)
+    X, y = synthetic.make_blobs(1000, centers=5, n_features=3)
+    np.testing.assert_array_equal(Xa, X)
+    np.testing.assert_array_equal(ya, y)
+    assert zarr.open_array(tmp_path / "a.zarr" / "X", mode="r").chunks == (64, 3)
+    assert info["label_values"] == [0, 1, 2, 3, 4]
+    assert info["attrs"]["synthetic"] == {
+        "kind": "blobs",
+        "random_state": 0,
+        "params": {"n_features": 3, "centers": 5, "cluster_std": 1.0,
+                   "center_box": [-10.0, 10.0]},
+    }
+
+
+def test_generate_never_holds_more_than_a_chunk(tmp_path, monkeypatch):
+    spans = []
+    real = synthetic.generate_rows
+
+    def spy(kind, start, stop, **kwargs):
+        spans.append(stop - start)
+        return real(kind, start, stop, **kwargs)
+
+    monkeypatch.setattr(synthetic, "generate_rows", spy)
+    io.generate("ring", tmp_path / "r.zarr", 1000, chunk_rows=128, dtype="float32")
+    assert max(spans) == 128 and sum(spans) == 1000
+    monkeypatch.undo()
+    X, _, _ = _read(tmp_path / "r.zarr")
+    assert X.dtype == np.float32
+    np.testing.assert_array_equal(X, synthetic.make_ring(1000)[0].astype(np.float32))
+
+
+def test_generate_checks_parameters_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="unknown synthetic dataset kind"):
+        io.generate("moons", tmp_path / "m.zarr", 10)
+    with pytest.raises(TypeError, match="unknown parameter"):
+        io.generate("ring", tmp_path / "m.zarr", 10, shells=3)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------
+# safe writes
+
+
+def test_existing_store_is_refused_and_left_intact(tmp_path):
+    dst = tmp_path / "d.zarr"
+    io.generate("ring", dst, 300, chunk_rows=100)
+    before = _tree(dst)
+    np.save(tmp_path / "x.npy", np.zeros((5, 2)))
+    with pytest.raises(DkicfIOError, match="already exists; pass overwrite=True"):
+        io.convert(tmp_path / "x.npy", dst)
+    with pytest.raises(DkicfIOError, match="already exists"):
+        io.generate("ring", dst, 10)
+    with pytest.raises(DkicfIOError, match="already exists"):
+        io.write_group(dst, {"a": np.ones(2)}, {})
+    with pytest.raises(DkicfIOError, match="already exists"):
+        io.check_writable(dst)
+    assert _tree(dst) == before
+    # With overwrite the store is replaced, and nothing is left beside it.
+    io.convert(tmp_path / "x.npy", dst, overwrite=True)
+    assert _read(dst)[0].shape == (5, 2)
+    assert _leftovers(tmp_path) == []
+
+
+def test_failed_convert_leaves_no_store(tmp_path):
+    rows = [f"{i},{i + 1}" for i in range(40)]
+    rows[33] = "1,nan"
+    (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(DkicfIOError, match="row 33 contains NaN"):
+        io.convert(tmp_path / "bad.csv", tmp_path / "d.zarr", chunk_rows=10)
+    assert not (tmp_path / "d.zarr").exists()
+    assert _leftovers(tmp_path) == []
+    rows[33] = "1,x"
+    (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(DkicfIOError, match=r"bad.csv, lines 31-40: could not convert string 'x'"):
+        io.convert(tmp_path / "bad.csv", tmp_path / "d.zarr", chunk_rows=10)
+    assert not (tmp_path / "d.zarr").exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_failed_overwrite_keeps_the_old_store(tmp_path):
+    dst = tmp_path / "d.zarr"
+    io.generate("zigzag", dst, 200, chunk_rows=50)
+    before = _tree(dst)
+
+    def interrupt(done, total):
+        if done >= 20:
+            raise KeyboardInterrupt
+
+    np.save(tmp_path / "x.npy", np.ones((50, 2)))
+    with pytest.raises(KeyboardInterrupt):
+        io.convert(tmp_path / "x.npy", dst, chunk_rows=10, overwrite=True, progress=interrupt)
+    assert _tree(dst) == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_labels_of_another_length_are_refused(tmp_path):
+    np.savez(tmp_path / "d.npz", X=np.ones((10, 2)), y=np.arange(9))
+    with pytest.raises(DkicfIOError, match=r"y has shape \(9,\) but X has 10 rows"):
+        io.convert(tmp_path / "d.npz", tmp_path / "d.zarr")
+    assert not (tmp_path / "d.zarr").exists()
+
+
+def test_check_writable(tmp_path):
+    io.check_writable(tmp_path / "new" / "deeper" / "d.zarr")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "keep.txt").write_text("mine")
+    with pytest.raises(DkicfIOError, match="is not a Zarr store; refusing to replace it"):
+        io.check_writable(plain, overwrite=True)
+    np.save(tmp_path / "x.npy", np.ones((3, 2)))
+    with pytest.raises(DkicfIOError, match="is not a Zarr store"):
+        io.convert(tmp_path / "x.npy", plain, overwrite=True)
+    assert (plain / "keep.txt").read_text() == "mine"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DkicfIOError, match="is not a directory"):
+        io.check_writable(tmp_path / "file" / "d.zarr")
+    with pytest.raises(DkicfIOError, match="already exists"):
+        io.check_writable(f"file://{tmp_path / 'file'}")
+
+
+def test_convert_refuses_bad_sources(tmp_path):
+    with pytest.raises(DkicfIOError, match="no such file"):
+        io.convert(tmp_path / "missing.npy", tmp_path / "d.zarr")
+    (tmp_path / "d.xlsx").write_text("")
+    with pytest.raises(DkicfIOError, match=r"unknown file type '.xlsx'; supported: .npy, .npz"):
+        io.convert(tmp_path / "d.xlsx", tmp_path / "d.zarr")
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    with pytest.raises(DkicfIOError, match="numeric .npy"):
+        io.convert(tmp_path / "obj.npy", tmp_path / "d.zarr")
+    np.save(tmp_path / "c.npy", np.ones((3, 2), dtype=complex))
+    with pytest.raises(DkicfIOError, match="complex"):
+        io.convert(tmp_path / "c.npy", tmp_path / "d.zarr")
+    np.save(tmp_path / "v.npy", np.ones(3))
+    with pytest.raises(DkicfIOError, match=r"1-D array.*Reshape"):
+        io.convert(tmp_path / "v.npy", tmp_path / "d.zarr")
+    np.savez(tmp_path / "noX.npz", A=np.ones((2, 2)))
+    with pytest.raises(DkicfIOError, match="no array X"):
+        io.convert(tmp_path / "noX.npz", tmp_path / "d.zarr")
+    with pytest.raises(DkicfIOError, match="dtype must be 'float32' or 'float64'"):
+        io.convert(tmp_path / "v.npy", tmp_path / "d.zarr", dtype="int8")
+    (tmp_path / "m.svm").write_text("1,2 1:3\n")
+    with pytest.raises(DkicfIOError, match="line 1: multi-label"):
+        io.convert(tmp_path / "m.svm", tmp_path / "d.zarr")
+    (tmp_path / "h.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(DkicfIOError, match="no column named 'z'"):
+        io.convert(tmp_path / "h.csv", tmp_path / "d.zarr", label_column="z")
+    assert not (tmp_path / "d.zarr").exists()
+
+
+# --------------------------------------------------------------------------
+# refusing unsafe or wrong stores
+
+
+def test_pickle_filter_store_is_refused_without_unpickling(tmp_path):
+    marker = tmp_path / "pwned"
+    store = _pickle_store_v2(tmp_path / "evil.zarr", marker)
+    # The payload is live: unpickling it elsewhere does create its marker.
+    probe = tmp_path / "probe"
+    pickle.loads(pickle.dumps(_Boom(probe)))
+    assert probe.exists()
+    for call in (io.open_array, io.as_dask, io.open_dataset, io.fingerprint):
+        with pytest.raises(DkicfIOError, match=r"evil.zarr.*codec 'pickle'"):
+            call(store)
+        with pytest.raises(DkicfIOError, match="codec 'pickle'"):
+            call(f"file://{store}")
+    assert not marker.exists()
+
+
+def test_pickle_codec_in_v3_metadata_and_in_groups_is_refused(tmp_path):
+    io.write_group(tmp_path / "g.zarr", {"X": np.ones((4, 2))}, {})
+    meta_path = tmp_path / "g.zarr" / "X" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["codecs"] = [{"name": "numcodecs.pickle", "configuration": {}}] + meta["codecs"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DkicfIOError, match="codec 'numcodecs.pickle'"):
+        io.open_array(tmp_path / "g.zarr" / "X")
+    with pytest.raises(DkicfIOError, match="codec 'numcodecs.pickle'"):
+        io.read_group(tmp_path / "g.zarr")
+    with pytest.raises(DkicfIOError, match="codec 'numcodecs.pickle'"):
+        io.open_dataset(tmp_path / "g.zarr")
+
+
+def test_object_and_text_dtypes_are_refused(tmp_path):
+    zarr.create_array(tmp_path / "s.zarr", shape=(3, 2), dtype=str)
+    with pytest.raises(DkicfIOError, match="data type 'string' is not a real number type"):
+        io.open_array(tmp_path / "s.zarr")
+    v2 = tmp_path / "o.zarr"
+    v2.mkdir()
+    (v2 / ".zarray").write_text(json.dumps({
+        "zarr_format": 2, "shape": [2, 2], "chunks": [2, 2], "dtype": "|O",
+        "compressor": None, "fill_value": None, "filters": None, "order": "C",
+    }))
+    with pytest.raises(DkicfIOError, match="dtype '|O' is not a real number type"):
+        io.open_array(v2)
+    zarr.create_array(tmp_path / "c.zarr", shape=(3, 2), dtype="complex128")
+    with pytest.raises(DkicfIOError, match="complex128"):
+        io.as_dask(tmp_path / "c.zarr")
+    with pytest.raises(DkicfIOError, match="complex"):
+        io.as_dask(zarr.open_array(tmp_path / "c.zarr", mode="r"))
+    with pytest.raises(DkicfIOError, match="must hold real numbers"):
+        io.write_group(tmp_path / "w.zarr", {"o": np.array(["a", "b"])}, {})
+    assert not (tmp_path / "w.zarr").exists()
+
+
+def test_zarr_v2_and_sharded_v3_arrays_are_read(tmp_path):
+    X = np.arange(60.0).reshape(20, 3)
+    v2 = zarr.create_array(tmp_path / "v2.zarr", shape=X.shape, chunks=(8, 3), dtype="f8",
+                           zarr_format=2)
+    v2[:] = X
+    np.testing.assert_array_equal(io.as_dask(tmp_path / "v2.zarr").compute(), X)
+    assert io.fingerprint(tmp_path / "v2.zarr")["zarr_format"] == 2
+    sharded = zarr.create_array(tmp_path / "sh.zarr", shape=X.shape, chunks=(2, 3),
+                                shards=(10, 3), dtype="f8")
+    sharded[:] = X
+    darr = io.as_dask(tmp_path / "sh.zarr")
+    assert darr.chunks == ((10, 10), (3,))
+    np.testing.assert_array_equal(darr.compute(), X)
+
+
+def test_group_where_an_array_is_expected(tmp_path):
+    io.generate("ring", tmp_path / "d.zarr", 20)
+    url = str(tmp_path / "d.zarr")
+    with pytest.raises(DkicfIOError) as err:
+        io.open_array(url)
+    assert str(err.value).startswith(
+        f"{url} is a Zarr group, not an array; pass {url}/X (its arrays: X, y)"
+    )
+    with pytest.raises(DkicfIOError, match="is a Zarr group, not an array"):
+        io.as_dask(url)
+    with pytest.raises(DkicfIOError, match="is a Zarr array, not a group"):
+        io.read_group(f"{url}/X")
+
+
+def test_missing_wrong_shaped_and_empty_arrays(tmp_path):
+    with pytest.raises(DkicfIOError, match=f"no Zarr store at {tmp_path / 'nope.zarr'}"):
+        io.open_array(tmp_path / "nope.zarr")
+    with pytest.raises(DkicfIOError, match="no Zarr store at memory://nothing/here"):
+        io.open_array("memory://nothing/here")
+    (tmp_path / "x.txt").write_text("not zarr")
+    with pytest.raises(DkicfIOError, match="exists but is not a Zarr store"):
+        io.open_array(tmp_path / "x.txt")
+    zarr.create_array(tmp_path / "v.zarr", shape=(5,), dtype="f8")
+    with pytest.raises(DkicfIOError, match=r"1-D with shape \(5,\); a data array must be 2-D"):
+        io.open_array(tmp_path / "v.zarr")
+    zarr.create_array(tmp_path / "e.zarr", shape=(0, 3), chunks=(1, 3), dtype="f8")
+    with pytest.raises(DkicfIOError, match=r"is empty: shape \(0, 3\)"):
+        io.as_dask(tmp_path / "e.zarr")
+    io.write_group(tmp_path / "g.zarr", {"Z": np.ones((2, 2))}, {})
+    with pytest.raises(DkicfIOError, match="without an array X"):
+        io.open_dataset(tmp_path / "g.zarr")
+
+
+# --------------------------------------------------------------------------
+# URLs, groups, datasets, fingerprints
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_group_round_trip_over_urls(tmp_path, scheme):
+    url = f"memory://{tmp_path.name}/model.zarr" if scheme == "memory" else (
+        f"file://{tmp_path / 'model.zarr'}"
+    )
+    arrays = {"centers": np.arange(6.0).reshape(3, 2), "pivots": np.array([4, 1, 9]),
+              "scalar": np.float64(2.5)}
+    attrs = {"kernel": "gaussian", "gamma": np.float32(0.5), "trace": np.array([3.0, 1.0]),
+             "nested": {"k": 3, "ok": True, "none": None}}
+    io.write_group(url, arrays, attrs)
+    got, got_attrs = io.read_group(url)
+    assert sorted(got) == ["centers", "pivots", "scalar"]
+    for name, value in arrays.items():
+        np.testing.assert_array_equal(got[name], value)
+        assert got[name].dtype == np.asarray(value).dtype
+    assert got_attrs == {"kernel": "gaussian", "gamma": 0.5, "trace": [3.0, 1.0],
+                         "nested": {"k": 3, "ok": True, "none": None},
+                         "created_by": f"dkicf {__version__}"}
+    arr = io.open_array(f"{url}/centers")
+    np.testing.assert_array_equal(arr[...], arrays["centers"])
+    np.testing.assert_array_equal(io.as_dask(f"{url}/centers").compute(), arrays["centers"])
+    with pytest.raises(DkicfIOError, match="already exists"):
+        io.write_group(url, {}, {})
+    io.write_group(url, {"w": np.ones(2)}, {"v": 2}, overwrite=True)
+    got, got_attrs = io.read_group(url)
+    assert list(got) == ["w"] and got_attrs["v"] == 2
+    if scheme == "file":
+        assert _leftovers(tmp_path) == []
+
+
+def test_dataset_over_memory_url():
+    url = "memory://dkicf-test/ring.zarr"
+    io.generate("ring", url, 500, chunk_rows=128, overwrite=True)
+    X, y, info = io.open_dataset(url)
+    assert X.chunks[0] == (128, 128, 128, 116) and y.chunks == X.chunks[:1]
+    np.testing.assert_array_equal(X.compute(), synthetic.make_ring(500)[0])
+    assert info["url"] == url and info["chunk_rows"] == 128
+
+
+def test_open_dataset_accepts_a_bare_array(tmp_path):
+    io.write_group(tmp_path / "g.zarr", {"X": np.arange(8.0).reshape(4, 2)}, {})
+    X, y, info = io.open_dataset(tmp_path / "g.zarr" / "X")
+    assert y is None and info["n_samples"] == 4 and info["label_values"] is None
+    np.testing.assert_array_equal(X.compute(), np.arange(8.0).reshape(4, 2))
+
+
+def test_write_group_refuses_bad_names_and_attributes(tmp_path):
+    with pytest.raises(DkicfIOError, match="array name 'a/b'"):
+        io.write_group(tmp_path / "g.zarr", {"a/b": np.ones(2)}, {})
+    with pytest.raises(DkicfIOError, match="attribute attrs.model has type object"):
+        io.write_group(tmp_path / "g.zarr", {}, {"model": object()})
+    with pytest.raises(DkicfIOError, match="attribute attrs.tol is nan"):
+        io.write_group(tmp_path / "g.zarr", {}, {"tol": float("nan")})
+    assert not (tmp_path / "g.zarr").exists()
+    # Nothing in a written group is a pickle: every file is JSON or a numeric chunk.
+    io.write_group(tmp_path / "g.zarr", {"a": np.ones(3)}, {"x": [1, 2]})
+    for path in (tmp_path / "g.zarr").rglob("zarr.json"):
+        assert "pickle" not in path.read_text()
+
+
+def test_fingerprint_sees_first_and_last_chunk(tmp_path):
+    io.generate("blobs", tmp_path / "a.zarr", 1000, chunk_rows=100)
+    io.generate("blobs", tmp_path / "b.zarr", 1000, chunk_rows=100)
+    fa = io.fingerprint(tmp_path / "a.zarr" / "X")
+    fb = io.fingerprint(tmp_path / "b.zarr" / "X")
+    assert fa["shape"] == [1000, 2] and fa["chunks"] == [100, 2] and fa["dtype"] == "float64"
+    assert fa["content_sha256"] == fb["content_sha256"]
+    assert json.loads(json.dumps(fa)) == fa
+    arr = zarr.open_array(tmp_path / "b.zarr" / "X", mode="r+")
+    arr[999, 0] = arr[999, 0] + 1.0
+    assert io.fingerprint(arr)["content_sha256"] != fa["content_sha256"]
+    io.generate("blobs", tmp_path / "c.zarr", 1000, chunk_rows=100, random_state=1)
+    assert io.fingerprint(tmp_path / "c.zarr" / "X")["content_sha256"] != fa["content_sha256"]
+
+
+def test_error_type():
+    assert issubclass(DkicfIOError, ValueError) and issubclass(DkicfIOError, DkicfError)
