@@ -300,13 +300,14 @@ def _cluster(args):
         return
     options = {}
     if args.cluster == "local":
-        options = dict(n_workers=args.workers, threads_per_worker=args.threads,
+        options = dict(workers=args.workers, threads=args.threads,
                        memory_limit=args.memory_limit, dashboard=args.dashboard)
     elif args.cluster in ("slurm", "pbs"):
         options = dict(jobs=args.jobs, cores=args.cores, memory=args.memory,
                        walltime=args.walltime, queue=args.queue)
     else:
-        options = dict(n_workers=args.workers, memory_limit=args.memory_limit)
+        options = dict(workers=args.workers, threads=args.threads,
+                       memory_limit=args.memory_limit)
         if args.image:
             options["image"] = args.image
     client, cluster = deploy.start_cluster(args.cluster, **options)
@@ -475,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dkicf`` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.debug:
+        # Quiet the cluster's own INFO logs, in this process and in the workers it starts.
+        import os
+
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        logging.getLogger("distributed").setLevel(logging.WARNING)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
