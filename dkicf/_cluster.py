@@ -50,26 +50,23 @@ def local_cluster(
     memory_limit: str | int | None = "auto",
     *,
     dashboard: bool = False,
-    processes: bool = True,
-    **kwargs,
 ):
     """Start a LocalCluster bound to 127.0.0.1 and return a client connected to it.
 
-    The dashboard is off unless ``dashboard=True`` (then on 127.0.0.1 only).
-    Closing the client (``client.close()``) does not stop the cluster; use
-    ``client.cluster.close()`` or the client as a context manager together with
-    its cluster.
-    """
-    from distributed import Client, LocalCluster
+    The workers are separate processes.  Without ``dashboard=True`` the
+    scheduler's HTTP port serves only ``/health``; with it, the dashboard is
+    on 127.0.0.1 only.  Close both when done:
+    ``cluster = client.cluster; client.close(); cluster.close()``.
 
-    if processes:
-        kwargs.setdefault("host", "127.0.0.1")
-    cluster = LocalCluster(
-        n_workers=n_workers,
-        threads_per_worker=threads_per_worker,
-        memory_limit=memory_limit,
-        processes=processes,
-        dashboard_address="127.0.0.1:0" if dashboard else None,
-        **kwargs,
+    Examples
+    --------
+    >>> import dkicf
+    >>> client = dkicf.local_cluster(n_workers=1)  # doctest: +SKIP
+    """
+    from .deploy import start_cluster
+
+    client, _ = start_cluster(
+        "local", workers=n_workers, threads=threads_per_worker, memory_limit=memory_limit,
+        dashboard=dashboard,
     )
-    return Client(cluster)
+    return client

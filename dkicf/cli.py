@@ -75,7 +75,11 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory", default="8GiB", help="memory per job (slurm/pbs)")
     g.add_argument("--walltime", default="01:00:00", help="walltime per job (slurm/pbs)")
     g.add_argument("--queue", default=None, help="queue or partition (slurm/pbs)")
+    g.add_argument("--processes", type=int, default=1, help="worker processes per job")
+    g.add_argument("--interface", help="network interface of scheduler and workers (slurm/pbs)")
+    g.add_argument("--account", help="account to charge (slurm/pbs)")
     g.add_argument("--image", default=None, help="container image (kubernetes)")
+    g.add_argument("--name", default="dkicf", help="cluster name (kubernetes)")
     g.add_argument("--timeout", type=float, default=20.0,
                    help="seconds to wait for a scheduler (default: 20)")
 
@@ -285,14 +289,8 @@ def _cluster(args):
     if args.tls_ca_file or args.tls_cert or args.tls_key:
         security = deploy.make_security(args.tls_ca_file, args.tls_cert, args.tls_key)
     if args.scheduler or args.scheduler_file:
-        target = args.scheduler
-        if args.scheduler_file:
-            from distributed import Client
-
-            client = Client(scheduler_file=args.scheduler_file, security=security,
-                            timeout=args.timeout)
-        else:
-            client = deploy.connect(target, security=security, timeout=args.timeout)
+        client = deploy.connect(args.scheduler, scheduler_file=args.scheduler_file,
+                                security=security, timeout=args.timeout)
         try:
             yield client
         finally:
@@ -304,12 +302,18 @@ def _cluster(args):
                        memory_limit=args.memory_limit, dashboard=args.dashboard)
     elif args.cluster in ("slurm", "pbs"):
         options = dict(jobs=args.jobs, cores=args.cores, memory=args.memory,
-                       walltime=args.walltime, queue=args.queue)
+                       walltime=args.walltime, queue=args.queue, processes=args.processes)
+        if args.interface:
+            options["interface"] = args.interface
+        if args.account:
+            options["account"] = args.account
+        if security is not None:
+            options["security"] = security
     else:
-        options = dict(workers=args.workers, threads=args.threads,
-                       memory_limit=args.memory_limit)
-        if args.image:
-            options["image"] = args.image
+        if not args.image:
+            raise UsageError("--cluster kubernetes needs --image (the dkicf container image).")
+        options = dict(name=args.name, image=args.image, workers=args.workers,
+                       threads=args.threads, memory_limit=args.memory_limit)
     client, cluster = deploy.start_cluster(args.cluster, **options)
     try:
         yield client
