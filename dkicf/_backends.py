@@ -9,7 +9,10 @@ driver in :mod:`dkicf.icf` a few collective operations:
 * ``apply(block, history)``: add a pivot block to every chunk, return the new summary;
 * ``map_chunks(func, *args)``: run ``func(x_chunk, state, offset, *args)`` on every
   chunk and return the small results in chunk order (for pivot rules);
-* ``result_arrays(rank)``: P and the residual, as numpy or dask arrays.
+* ``result_arrays(rank)``: P and the residual, as numpy or dask arrays;
+* ``write_p(spec, start)``, ``write_e(spec, name)``, ``rebase_from(spec, point)``:
+  the checkpoint's writes and the rebuilding of the states from a checkpoint
+  (see :mod:`dkicf.checkpoint`).
 """
 
 from __future__ import annotations
@@ -33,10 +36,21 @@ class NumpyBackend:
 
     _BLOCK_ROWS = 16384
 
-    def __init__(self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None):
+    def __init__(
+        self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None,
+        restore: tuple | None = None,
+    ):
         self.X = _chunk.as_float(X)
         self.n, self.d = self.X.shape
-        self.state = _chunk.chunk_init(self.X, kernel, 0, capacity)
+        self.step = 0
+        if restore is None:
+            self.state = _chunk.chunk_init(self.X, kernel, 0, capacity)
+        else:
+            spec, point = restore
+            self.step = int(point["iteration"])
+            self.state = _chunk.chunk_restore(
+                self.X, None, spec, kernel, 0, capacity, None, point, stored=False
+            )
         self.n_threads = n_threads or _cpu_count()
         self.bounds = [
             (lo, min(lo + self._BLOCK_ROWS, self.n)) for lo in range(0, self.n, self._BLOCK_ROWS)
@@ -71,7 +85,17 @@ class NumpyBackend:
         st.pivots = _chunk.finish_block(st.P, st.e, 0, block, st.pivots)
         st.rank += block.index.shape[0]
         st.n_passes += 1
+        self.step += 1
         return self.summary(m)
+
+    def write_p(self, spec: _chunk.StoreSpec, start: int) -> None:
+        _chunk.chunk_write_p(self.state, spec, start)
+
+    def write_e(self, spec: _chunk.StoreSpec, name: str) -> None:
+        _chunk.chunk_write_e(self.state, spec, name)
+
+    def rebase_from(self, spec: _chunk.StoreSpec, point: dict) -> None:
+        """Nothing to do: this process's state has no lineage to cut."""
 
     def map_chunks(self, func, *args) -> list:
         """``[func(X, state, 0, *args)]``: the whole dataset is one chunk."""
@@ -135,7 +159,7 @@ class DaskBackend:
 
     def __init__(
         self, X, kernel: Kernel, capacity: int, client, persist: bool, rebase_every: int = 25,
-        salt="",
+        salt="", store: _chunk.StoreSpec | None = None, restore: tuple | None = None,
     ):
         import uuid
 
@@ -149,29 +173,49 @@ class DaskBackend:
         self.n, self.d = X.shape
         self.chunks = X.chunks[0]
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
+        check_worker_memory(self.client, self.chunks, self.d, X.dtype, capacity, store, persist)
         self.token = dask.base.tokenize(X, kernel, capacity, salt, uuid.uuid4().hex)[:16]
         self.kernel = kernel
         self.capacity = capacity
+        self.store = store
         self.rebase_every = rebase_every
+        self._last_rebase = 0
         self._x_blocks = list(X.to_delayed().ravel())
+        # One single-chunk dask array per row chunk, for the per-pass reads.
+        self._x_arrays = [X.blocks[j] for j in range(X.numblocks[0])]
         self.persist = persist
         self._x_step = None
         self._x_futs = self.client.compute(self._x_blocks) if persist else None
         self.step = 0
-        self.states = [
-            self.client.submit(
-                _chunk.chunk_init, self._x(j), kernel, int(off), capacity, j,
-                key=f"icf-init-{self.token}-{j}",
-            )
-            for j, off in enumerate(self.offsets[:-1])
-        ]
+        if restore is None:
+            self.states = [
+                self.client.submit(
+                    _chunk.chunk_init, self._x(j), kernel, int(off), capacity, j, store,
+                    key=f"icf-init-{self.token}-{j}",
+                )
+                for j, off in enumerate(self.offsets[:-1])
+            ]
+        else:
+            # Iterations are counted from the checkpoint on (keys, rebases, error messages).
+            self.step = self._last_rebase = int(restore[1]["iteration"])
+            self.states = self._restore_tasks(*restore, previous=None)
 
     def _x(self, j):
         if self.persist:
             return self._x_futs[j]
         if self._x_step is None or self._x_step[0] != self.step:
-            # Fresh read tasks for this pass; released when the pass is done.
-            self._x_step = (self.step, self.client.compute(self._x_blocks))
+            # Fresh read tasks for this pass, under keys of their own: the
+            # previous pass's chunks may still be in memory under the original
+            # keys, and the scheduler would hand those back instead of reading.
+            self._x_step = (
+                self.step,
+                [
+                    self.client.submit(
+                        _read_block, block, key=f"icf-read-{self.token}-{self.step}-{j}"
+                    )
+                    for j, block in enumerate(self._x_arrays)
+                ],
+            )
         return self._x_step[1][j]
 
     def summary(self, m: int = 1, first: bool = False) -> dict:
@@ -231,7 +275,7 @@ class DaskBackend:
             for j, st in enumerate(self.states)
         ]
         summary = self.summary(m)
-        if self.step % self.rebase_every == 0:
+        if self.step - self._last_rebase >= self.rebase_every:
             self._rebase(history)
         return summary
 
@@ -250,18 +294,69 @@ class DaskBackend:
         new = []
         for j, st in enumerate(self.states):
             workers = list(who_has.get(st.key, ()))
+            # A state held nowhere (its worker just died) may run anywhere.
+            where = {"workers": workers, "allow_other_workers": True} if workers else {}
             new.append(
                 self.client.submit(
                     _chunk.chunk_rebase, self._x(j), st.key, snapshot,
-                    int(self.offsets[j]), self.capacity, j,
-                    key=f"icf-rebase-{self.token}-{self.step}-{j}",
-                    workers=workers or None, allow_other_workers=True,
+                    int(self.offsets[j]), self.capacity, j, self.store,
+                    key=f"icf-rebase-{self.token}-{self.step}-{j}", **where,
                 )
             )
         from distributed import wait
 
         wait(new)
         self.states = new
+        self._last_rebase = self.step
+
+    def _restore_tasks(self, spec: _chunk.StoreSpec, point: dict, previous) -> list:
+        """Leaf tasks that rebuild every chunk's state from a committed checkpoint."""
+        stored = self.store is not None
+        tag = "restore" if previous is None else "reload"
+        who_has = self.client.who_has(previous) if previous else {}
+        out = []
+        for j, off in enumerate(self.offsets[:-1]):
+            key = None if previous is None else previous[j].key
+            workers = list(who_has.get(key, ())) if key else []
+            where = {"workers": workers, "allow_other_workers": True} if workers else {}
+            out.append(
+                self.client.submit(
+                    _chunk.chunk_restore, self._x(j), key, spec, self.kernel, int(off),
+                    self.capacity, j, point, stored,
+                    key=f"icf-{tag}-{self.token}-{self.step}-{j}", **where,
+                )
+            )
+        return out
+
+    def rebase_from(self, spec: _chunk.StoreSpec, point: dict) -> None:
+        """Cut the lineage at a committed checkpoint: states become leaf tasks reading Zarr.
+
+        As in :meth:`_rebase`, a worker that still holds a state reuses it;
+        a lost state is read back from the checkpoint instead of replayed.
+        """
+        from distributed import wait
+
+        new = self._restore_tasks(spec, point, previous=self.states)
+        wait(new)
+        self.states = new
+        self._last_rebase = self.step
+
+    def _each_chunk(self, name: str, func, *args) -> None:
+        futs = [
+            self.client.submit(
+                func, st, *args, key=f"icf-{name}-{self.token}-{self.step}-{j}",
+            )
+            for j, st in enumerate(self.states)
+        ]
+        self.client.gather(futs)
+
+    def write_p(self, spec: _chunk.StoreSpec, start: int) -> None:
+        """Every chunk writes its columns ``start:rank`` of P (its tail, if Zarr-backed)."""
+        self._each_chunk("write-p", _chunk.chunk_write_p, spec, start)
+
+    def write_e(self, spec: _chunk.StoreSpec, name: str) -> None:
+        """Every chunk writes its residual diagonal to the checkpoint array ``name``."""
+        self._each_chunk(f"write-{name}", _chunk.chunk_write_e, spec, name)
 
     def map_chunks(self, func, *args) -> list:
         """``func(x_chunk, state, offset, *args)`` on every chunk, results in chunk order.
@@ -282,16 +377,15 @@ class DaskBackend:
     def result_arrays(self, rank: int):
         import dask.array as da
 
-        P = da.concatenate(
-            [
-                da.from_delayed(
-                    self.client.submit(_chunk.chunk_P, st, rank, key=f"icf-P-{self.token}-{j}"),
-                    shape=(c, rank), dtype=np.float64,
-                )
-                for j, (st, c) in enumerate(zip(self.states, self.chunks))
-            ],
-            axis=0,
-        )
+        if self.store is not None:
+            self.write_p(self.store, rank)
+            root, path = self.store.root, self.store.p_path
+            P = da.from_zarr(
+                root, component=path or None, chunks=(self.chunks, self.capacity),
+                **self.store.zarr_kwargs(),
+            )[:, :rank]
+        else:
+            P = self._memory_P(rank)
         e = da.concatenate(
             [
                 da.from_delayed(
@@ -303,12 +397,77 @@ class DaskBackend:
         )
         return P, e
 
+    def _memory_P(self, rank: int):
+        import dask.array as da
+
+        return da.concatenate(
+            [
+                da.from_delayed(
+                    self.client.submit(_chunk.chunk_P, st, rank, key=f"icf-P-{self.token}-{j}"),
+                    shape=(c, rank), dtype=np.float64,
+                )
+                for j, (st, c) in enumerate(zip(self.states, self.chunks))
+            ],
+            axis=0,
+        )
+
     def close(self):
         self._x_step = None
 
 
 def _identity(x):
     return x
+
+
+def _read_block(block) -> np.ndarray:
+    """Compute one chunk of X inside a task (a fresh read from its source)."""
+    return np.asarray(block.compute(scheduler="sync"))
+
+
+def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool):
+    """Refuse, before any work, a row chunk that cannot fit in a worker's memory.
+
+    A task holds the chunk of X (as given and in float64), the chunk's state
+    (its rows of P, or only a one-block tail with ``store``), a few vectors,
+    and with ``store`` the group of flushed columns it streams.  A P that
+    cannot fit in the whole cluster's memory is refused too, with the
+    suggestion to keep it in Zarr.
+    """
+    try:
+        info = client.scheduler_info(n_workers=-1)  # every worker, not only the first few
+    except TypeError:  # distributed < 2025: all workers by default
+        info = client.scheduler_info()
+    limits = [w.get("memory_limit") or 0 for w in info["workers"].values()]
+    limits = [m for m in limits if m > 0]
+    if not limits:
+        return
+    rows = max(chunks)
+    width = capacity if store is None else store.columns
+    per_row = 8 * d + np.dtype(dtype).itemsize * d + 8 * width + 8 * 6
+    need = rows * per_row + (_chunk._STREAM_BYTES if store is not None else 0)
+    smallest = min(limits)
+    if need > smallest:
+        j = int(np.argmax(chunks))
+        fit = max(1, int(0.5 * (smallest - (need - rows * per_row)) // per_row))
+        raise ValueError(
+            f"row chunk {j} of X ({rows} rows) needs about {_gib(need)} in one task "
+            f"(X rows in float64 plus {width} columns of P), more than the smallest "
+            f"worker's memory limit of {_gib(smallest)}. Use X.rechunk({{0: {fit}}}) "
+            "or larger workers."
+        )
+    n = int(sum(chunks))
+    if store is None:
+        total = n * (8 * capacity + 8 * 3) + (n * d * np.dtype(dtype).itemsize if persist else 0)
+        if total > sum(limits):
+            raise ValueError(
+                f"P ({n} x {capacity} float64) and the data held in worker memory need about "
+                f"{_gib(total)}, more than the cluster's {_gib(sum(limits))}. Pass "
+                "p_store='path-or-url.zarr' to keep P in Zarr (and persist=False to re-read X)."
+            )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 _INLINE_BLOCK_BYTES = 1 << 20

@@ -9,11 +9,21 @@ columns into slots of the preallocated buffer that no earlier state uses and
 returns a new state object with a new residual vector.  A task that is re-run
 (after a worker failure, or recomputed from its lineage) therefore overwrites
 the same slots with the same values and never applies an update twice.
+
+With P stored in Zarr (:class:`StoreSpec`), a state keeps only a *tail* of the
+last columns (fewer than one column block) in memory; each full column block
+is written to the chunk's own Zarr chunks exactly once, by the update that
+completes it, and later updates stream the flushed blocks back block by block.
+Because every value is a deterministic function of X and the pivot history,
+re-running a task writes identical bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.linalg import solve_triangular
@@ -52,17 +62,70 @@ class PivotBlock:
     rank: int
 
 
+@dataclass(frozen=True)
+class StoreSpec:
+    """Where chunk tasks find the Zarr arrays of one fit (a few strings: cheap to ship).
+
+    Attributes
+    ----------
+    root : str
+        Local path or fsspec URL of the Zarr node: the P array itself, or the
+        checkpoint group holding ``P`` and the residual buffers.
+    p_path : str
+        Path of the P array below ``root`` (``""`` when ``root`` is the array).
+    token : str
+        Identifies the creation of the arrays; keys the per-process cache of
+        open arrays, so a location that is replaced is never read stale.
+    columns : int
+        Columns per Zarr chunk of P (``cb``): the unit in which P is flushed.
+    options : str
+        fsspec storage options of ``root``, as JSON (``""``: none).
+    """
+
+    root: str
+    p_path: str
+    token: str
+    columns: int
+    options: str = ""
+
+    def array(self, name: str = "P"):
+        """The open Zarr array ``name`` (``"P"`` or a sibling in the group)."""
+        path = self.p_path if name == "P" else name
+        return _open_array(self.root, path, self.token, self.options)
+
+    def zarr_kwargs(self) -> dict:
+        """``storage_options=`` for zarr and dask calls on ``root``, if there are any."""
+        return {"storage_options": json.loads(self.options)} if self.options else {}
+
+
+@functools.lru_cache(maxsize=32)
+def _open_array(root: str, path: str, token: str, options: str):
+    import zarr
+
+    kw = {"storage_options": json.loads(options)} if options else {}
+    return zarr.open_array(store=root, path=path or None, mode="r+", **kw)
+
+
+# Bytes of flushed P columns a task reads from Zarr at once.
+_STREAM_BYTES = 32 << 20
+
+
 class ChunkState:
     """Factor rows, residual diagonal and kernel values of one row chunk.
 
-    ``P`` is a Fortran-ordered ``(n_rows, capacity)`` buffer: column ``k`` is
-    contiguous, so ``P[:, :rank] @ u`` streams one contiguous block of memory.
-    Only the first ``rank`` columns are meaningful.
+    ``P`` is a Fortran-ordered buffer: column ``k`` is contiguous, so
+    ``P[:, :m] @ u`` streams one contiguous block of memory.  In memory it
+    holds all ``capacity`` columns, of which the first ``rank`` are
+    meaningful.  With ``store`` set, columns ``0:flushed`` live in the Zarr
+    array and ``P`` is the tail: its column ``k`` is column ``flushed + k`` of
+    the factor, and only its first ``rank - flushed`` columns are meaningful.
     """
 
-    __slots__ = ("P", "e", "aux", "rank", "offset", "n_passes", "pivots")
+    __slots__ = ("P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store")
 
-    def __init__(self, P, e, aux, rank, offset, n_passes=0, pivots=None):
+    def __init__(
+        self, P, e, aux, rank, offset, n_passes=0, pivots=None, flushed=0, store=None
+    ):
         self.P = P
         self.e = e
         self.aux = aux
@@ -71,6 +134,8 @@ class ChunkState:
         self.n_passes = n_passes
         # Local row indices of the pivots that lie in this chunk.
         self.pivots = np.empty(0, dtype=np.int64) if pivots is None else pivots
+        self.flushed = flushed
+        self.store = store
 
     @property
     def n_rows(self) -> int:
@@ -78,7 +143,25 @@ class ChunkState:
 
     def __sizeof__(self) -> int:  # used by dask's memory accounting
         aux = 0 if self.aux is None else self.aux.nbytes
-        return int(self.P.nbytes + self.e.nbytes + aux + 64)
+        return int(self.P.nbytes + self.e.nbytes + aux + self.pivots.nbytes + 256)
+
+    def columns(self, lo: int, hi: int) -> np.ndarray:
+        """Columns ``lo:hi`` (``hi <= rank``) of the chunk's rows of P, wherever they live.
+
+        A view of the buffer in memory; with ``store``, the flushed part is
+        read from Zarr and the rest copied from the tail.
+        """
+        if self.store is None:
+            return self.P[:, lo:hi]
+        f = self.flushed
+        out = np.empty((self.n_rows, hi - lo), dtype=_FLOAT, order="F")
+        if lo < f:
+            rows = slice(self.offset, self.offset + self.n_rows)
+            out[:, : min(hi, f) - lo] = self.store.array()[rows, lo : min(hi, f)]
+        if hi > f:
+            start = max(lo, f)
+            out[:, start - lo :] = self.P[:, start - f : hi - f]
+        return out
 
 
 def as_float(x: np.ndarray) -> np.ndarray:
@@ -98,13 +181,19 @@ def check_finite(x: np.ndarray, offset: int = 0, chunk: int | None = None) -> No
 
 
 def chunk_init(
-    x: np.ndarray, kernel: Kernel, offset: int, capacity: int, chunk: int | None = None
+    x: np.ndarray,
+    kernel: Kernel,
+    offset: int,
+    capacity: int,
+    chunk: int | None = None,
+    store: StoreSpec | None = None,
 ) -> ChunkState:
-    """Check the chunk, compute its kernel diagonal and allocate its factor buffer."""
+    """Check the chunk, compute its kernel diagonal and allocate its factor buffer.
+
+    With ``store``, the buffer is the in-memory tail of one column block.
+    """
     with threadpool_limits(1):
-        check_finite(x, offset, chunk)
-        x = as_float(x)
-        aux = kernel.prepare(x)
+        x, aux = _prepare(x, kernel, offset, chunk)
         e = np.array(kernel.diag(x, aux), dtype=_FLOAT)
         if e.size and (not np.isfinite(e).all() or e.min() < 0):
             bad = int(np.flatnonzero(~(e >= 0))[0]) + offset
@@ -112,8 +201,16 @@ def chunk_init(
                 f"the kernel's diagonal is negative or not finite at row {bad}: "
                 f"k(x, x) = {e[bad - offset]!r}. The kernel must be positive semi-definite."
             )
-    P = np.empty((x.shape[0], capacity), dtype=_FLOAT, order="F")
-    return ChunkState(P, e, aux, 0, offset, n_passes=1)
+    width = capacity if store is None else store.columns
+    P = np.empty((x.shape[0], width), dtype=_FLOAT, order="F")
+    return ChunkState(P, e, aux, 0, offset, n_passes=1, store=store)
+
+
+def _prepare(x, kernel: Kernel, offset: int, chunk: int | None):
+    """The chunk checked and in float64, and its kernel auxiliary values."""
+    check_finite(x, offset, chunk)
+    x = as_float(x)
+    return x, kernel.prepare(x)
 
 
 def chunk_stats(state: ChunkState, m: int = 1, x: np.ndarray | None = None, rows: bool = False):
@@ -152,19 +249,33 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
     local = np.asarray(local, dtype=np.int64)
     xr = as_float(np.asarray(x)[local])
     aux = None if state.aux is None else state.aux[local].copy()
-    pr = np.array(state.P[local, : state.rank], dtype=_FLOAT)
+    if state.store is None:
+        pr = np.array(state.P[local, : state.rank], dtype=_FLOAT)
+    else:
+        f = state.flushed
+        pr = np.empty((local.shape[0], state.rank), dtype=_FLOAT)
+        if f and local.size:
+            # One Zarr chunk per column block: the rows stay cheap to fetch.
+            pr[:, :f] = state.store.array().get_orthogonal_selection(
+                (local + state.offset, slice(0, f))
+            )
+        pr[:, f:] = state.P[local, : state.rank - f]
     return xr, aux, pr, state.e[local].copy()
 
 
-def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int) -> None:
+def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) -> None:
     """Rows ``lo:hi`` of one pivot-block update, in place on ``P`` and ``e``.
 
     ``p = (K[:, T] - P[:, :i] U^T) L^{-T}`` and ``e -= rowsum(p**2)``: for
     ``b = 1`` this is exactly one iteration of the paper's Algorithm 1.
     Residuals that rounding makes slightly negative are clamped to zero.
+    ``base``, if given, is the part of ``P U^T`` from columns that are not in
+    ``P`` (the flushed columns of a Zarr-backed chunk).
     """
     i, b = block.rank, block.index.shape[0]
     G = block.kernel.block(x[lo:hi], block.rows, None if aux is None else aux[lo:hi], block.aux)
+    if base is not None:
+        G -= base[lo:hi]
     if i:
         G -= P[lo:hi, :i] @ block.U.T
     if b == 1:
@@ -216,11 +327,160 @@ def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkSt
     with threadpool_limits(1):
         x = as_float(x)
         e = state.e.copy()
+        if state.store is not None:
+            return _update_stored(x, state, e, block)
         update_rows(x, state.P, e, state.aux, block, 0, e.shape[0])
         pivots = finish_block(state.P, e, state.offset, block, state.pivots)
     return ChunkState(
         state.P, e, state.aux, i + block.index.shape[0], state.offset, state.n_passes + 1, pivots
     )
+
+
+def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> ChunkState:
+    """:func:`chunk_update` for a chunk whose first ``flushed`` columns are in Zarr.
+
+    The product with the flushed columns is streamed from Zarr; the block is
+    then applied to the tail as if the tail were the whole of P.  Column
+    blocks that become full are written to Zarr and leave the tail.
+    """
+    n, i, b, f = state.n_rows, block.rank, block.index.shape[0], state.flushed
+    tail = state.P
+    if tail.shape[1] < i - f + b:
+        # A block wider than the free slots: a new buffer, the old state's stays valid.
+        tail = np.empty((n, i - f + b), dtype=_FLOAT, order="F")
+        tail[:, : i - f] = state.P[:, : i - f]
+    base = _stored_product(state, block.U) if f else None
+    local = replace(block, rank=i - f, U=block.U[:, f:])
+    update_rows(x, tail, e, state.aux, local, 0, n, base)
+    pivots = finish_block(tail, e, state.offset, local, state.pivots)
+    f, tail = _flush_full_blocks(state.store, state.offset, tail, f, i + b)
+    return ChunkState(
+        tail, e, state.aux, i + b, state.offset, state.n_passes + 1, pivots, f, state.store
+    )
+
+
+def _stored_product(state: ChunkState, U: np.ndarray) -> np.ndarray:
+    """``P[:, :flushed] @ U[:, :flushed].T``, reading the flushed columns from Zarr in groups."""
+    arr, f, cb = state.store.array(), state.flushed, state.store.columns
+    rows = slice(state.offset, state.offset + state.n_rows)
+    step = max(cb, _STREAM_BYTES // (8 * max(state.n_rows, 1)) // cb * cb)
+    out = None
+    for c0 in range(0, f, step):
+        c1 = min(f, c0 + step)
+        part = arr[rows, c0:c1] @ U[:, c0:c1].T
+        if out is None:
+            out = part
+        else:
+            out += part
+    return out
+
+
+def _flush_full_blocks(store: StoreSpec, offset: int, tail, f: int, rank: int):
+    """Write the tail's full column blocks to Zarr; return the new ``flushed`` and tail."""
+    cb = store.columns
+    full = (rank - f) // cb * cb
+    if not full:
+        return f, tail
+    n = tail.shape[0]
+    # Whole Zarr chunks owned by this chunk alone: the only safe concurrent write,
+    # and a re-run writes the same bytes.
+    store.array()[offset : offset + n, f : f + full] = tail[:, :full]
+    rest = rank - f - full
+    new = np.empty((n, max(cb, rest)), dtype=_FLOAT, order="F")
+    new[:, :rest] = tail[:, full : full + rest]
+    return f + full, new
+
+
+def chunk_write_p(state: ChunkState, spec: StoreSpec, start: int) -> None:
+    """Write the chunk's columns ``start:rank`` of P to ``spec``'s P array (checkpoint).
+
+    A Zarr-backed chunk writes its tail (columns ``flushed:rank``: its full
+    blocks are already there).  A partly filled column block is written as a
+    whole chunk of this chunk's rows, with identical values for any re-run.
+    """
+    rows = slice(state.offset, state.offset + state.n_rows)
+    if state.store is not None:
+        start, src = state.flushed, state.P[:, : state.rank - state.flushed]
+    else:
+        src = state.P[:, start : state.rank]
+    if src.shape[1]:
+        spec.array()[rows, start : state.rank] = src
+
+
+def chunk_write_e(state: ChunkState, spec: StoreSpec, name: str) -> None:
+    """Write the chunk's residual diagonal to the array ``name`` of the checkpoint."""
+    spec.array(name)[state.offset : state.offset + state.n_rows] = state.e
+
+
+def chunk_digest(x: np.ndarray) -> str:
+    """Hex digest of a chunk of X's bytes (with its dtype and shape): the data's fingerprint."""
+    x = np.ascontiguousarray(x)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{x.dtype.str}{x.shape}".encode())
+    h.update(memoryview(x).cast("B"))
+    return h.hexdigest()
+
+
+def chunk_restore(
+    x: np.ndarray,
+    previous_key: str | None,
+    spec: StoreSpec,
+    kernel: Kernel,
+    offset: int,
+    capacity: int,
+    chunk: int | None,
+    point: dict,
+    stored: bool,
+) -> ChunkState:
+    """A chunk's state at a committed checkpoint, read from Zarr (a leaf task).
+
+    If this worker still holds the chunk's current state (under
+    ``previous_key``) at the checkpoint's rank, it is reused; otherwise the
+    state is rebuilt from X and the checkpoint: the residual from the
+    committed buffer ``point["e"]``, P's columns (all of them, or the tail
+    only when ``stored``) from the P array.  The values are the bytes the
+    state held when it was written, so the rebuilt state is bit-identical.
+    """
+    rank = int(point["rank"])
+    state = _worker_state(previous_key, rank)
+    if state is not None:
+        return state
+    with threadpool_limits(1):
+        _, aux = _prepare(x, kernel, offset, chunk)
+    n = x.shape[0]
+    rows = slice(offset, offset + n)
+    e = np.array(spec.array(point["e"])[rows], dtype=_FLOAT)
+    arr = spec.array()
+    if stored:
+        f = rank // spec.columns * spec.columns
+        P = np.empty((n, spec.columns), dtype=_FLOAT, order="F")
+    else:
+        f = 0
+        P = np.empty((n, capacity), dtype=_FLOAT, order="F")
+    if rank > f:
+        P[:, : rank - f] = arr[rows, f:rank]
+    g = np.asarray(point["pivots"], dtype=np.int64)
+    pivots = g[(g >= offset) & (g < offset + n)] - offset
+    return ChunkState(
+        P, e, aux, rank, offset, int(point["n_passes"]), pivots, f, spec if stored else None
+    )
+
+
+def _worker_state(key: str | None, rank: int) -> ChunkState | None:
+    """The state stored under ``key`` on this dask worker, if it is there at ``rank``."""
+    if key is None:
+        return None
+    try:
+        from distributed import get_worker
+
+        data = get_worker().data
+        if key in data:
+            state = data[key]
+            if isinstance(state, ChunkState) and state.rank == rank:
+                return state
+    except (ImportError, ValueError):
+        pass
+    return None
 
 
 def chunk_P(state: ChunkState, rank: int) -> np.ndarray:
@@ -230,7 +490,6 @@ def chunk_P(state: ChunkState, rank: int) -> np.ndarray:
 
 def chunk_residual(state: ChunkState) -> np.ndarray:
     return state.e
-
 
 
 class History:
@@ -281,6 +540,23 @@ class History:
             rank=i,
         )
 
+    @classmethod
+    def restore(
+        cls, kernel: Kernel, capacity: int, index, rows, aux, L, bounds: list[int]
+    ) -> History:
+        """The history of a checkpoint: its first ``bounds[-1]`` pivots and blocks."""
+        rows = np.asarray(rows, dtype=_FLOAT)
+        h = cls(kernel, capacity, rows.shape[1])
+        r = bounds[-1]
+        h.index[:r] = index
+        h.rows[:r] = rows
+        if aux is not None:
+            h.aux = np.empty(capacity)
+            h.aux[:r] = aux
+        h.L[:r, :r] = L
+        h.bounds = [int(b) for b in bounds]
+        return h
+
     def snapshot(self) -> History:
         """A compact copy (only the filled part) to ship to workers."""
         r = self.rank
@@ -301,25 +577,20 @@ def chunk_rebase(
     offset: int,
     capacity: int,
     chunk: int,
+    store: StoreSpec | None = None,
 ) -> ChunkState:
     """Start a new lineage for a chunk at the history's rank.
 
     If the worker still holds the chunk's current state (under
     ``previous_key``), it is reused as is; otherwise (its worker died) the
     state is rebuilt by replaying every block of the history on the chunk's
-    rows of X, which reproduces it bit for bit.
+    rows of X, which reproduces it bit for bit (and, for a Zarr-backed chunk,
+    rewrites its full column blocks with the same bytes).
     """
-    try:
-        from distributed import get_worker
-
-        data = get_worker().data
-        if previous_key in data:
-            state = data[previous_key]
-            if isinstance(state, ChunkState) and state.rank == history.rank:
-                return state
-    except (ImportError, ValueError):
-        pass
-    state = chunk_init(x, history.kernel, offset, capacity, chunk)
+    state = _worker_state(previous_key, history.rank)
+    if state is not None:
+        return state
+    state = chunk_init(x, history.kernel, offset, capacity, chunk, store)
     for k in range(len(history.bounds) - 1):
         state = chunk_update(x, state, history.block(k))
     return state

@@ -125,18 +125,37 @@ def _gamma_arg(text: str):
     return _gamma(text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (and status 2), pointing at --help instead of the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dkicf",
         description="Kernel k-means on an incomplete Cholesky factorization, on dask.",
     )
     parser.add_argument("--version", action="version", version=f"dkicf {__version__}")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # The same two flags are accepted after the command name too.
+    common = _Parser(add_help=False)
+    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="no progress bars")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_parser = sub.add_parser
+
+    def add_parser(name, **kwargs):
+        return _add_parser(name, parents=[common], **kwargs)
+
+    sub.add_parser = add_parser
 
     p = sub.add_parser("convert", help="convert .npy/.npz/.csv/svmlight/Parquet to Zarr")
     p.add_argument("src")

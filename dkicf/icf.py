@@ -21,6 +21,7 @@ import logging
 import math
 import numbers
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +30,10 @@ import numpy as np
 from scipy.linalg import solve_triangular
 
 from . import _chunk
+from . import pivoting as _pivoting
 from ._backends import DaskBackend, NumpyBackend
 from ._validation import check_array_2d, is_dask_array
+from .errors import DegenerateKernelWarning, worker_failure, worker_failure_types
 from .kernels import Kernel, make_kernel
 
 __all__ = ["ICFResult", "ICFProgress", "incomplete_cholesky"]
@@ -161,6 +164,15 @@ def incomplete_cholesky(
     persist: bool = True,
     random_state: int | None = 0,
     progress: Callable[[ICFProgress], None] | None = None,
+    pivoting: str = "greedy",
+    block_size: int | None = None,
+    block_delta: float = 0.0,
+    p_store: str | None = None,
+    checkpoint: str | None = None,
+    checkpoint_every: int = 25,
+    resume: bool = False,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
 ) -> ICFResult:
     """Incomplete Cholesky factorization ``K ~ P P^T`` of a kernel matrix.
 
@@ -204,9 +216,58 @@ def incomplete_cholesky(
         Dask input only: keep X's chunks in worker memory (one read), or re-read
         them from their source on every pass (data larger than the cluster).
     random_state : int, optional
-        Seed of the median heuristic's sample.
+        Seed of the median heuristic's sample and of the random pivots of
+        ``pivoting="rpcholesky"``.
     progress : callable, optional
-        Called with an :class:`ICFProgress` after every iteration.
+        Called with an :class:`ICFProgress` after every pass (one pivot for
+        ``"greedy"``, one block of pivots for the block rules).
+    pivoting : {"greedy", "block-greedy", "rpcholesky"}, default="greedy"
+        How pivots are chosen (see ``docs/pivoting.md``):
+
+        * ``"greedy"``: the paper's Algorithm 1, one pivot per pass over X;
+        * ``"block-greedy"``: the same pivots as ``"greedy"``, several per pass:
+          greedy pivoted Cholesky on the largest residuals, accepted while
+          they provably beat every other row.  Pivot decisions closer than
+          rounding are left to the next pass, so the pivots are those of
+          ``"greedy"`` except where two residuals tie within rounding (where
+          the sequential choice itself depends on the order of operations);
+        * ``"rpcholesky"``: randomly pivoted Cholesky (Chen, Epperly, Tropp
+          and Webber, 2023), blocked with rejection sampling (Epperly, Tropp
+          and Webber, 2024); seeded by ``random_state`` and independent of
+          the chunking of X and of the number of workers.
+    block_size : int, optional
+        Block rules only: the largest number of pivots per pass.  Default:
+        as many as memory allows (a chunk task holds ``rows x block_size``
+        kernel values); the blocks are adapted to the data below this cap.
+    block_delta : float, default=0.0
+        ``"block-greedy"`` only: accept a candidate whose updated residual is
+        within a factor ``1 - block_delta`` of the bound on the other rows.
+        Larger blocks, fewer passes, but the pivots are no longer exactly the
+        sequential ones.
+    p_store : str, optional
+        Dask input only: local path or fsspec URL where a Zarr array for P is
+        created, for a P larger than the cluster's memory.  Each task then
+        keeps only its last ``< 32`` columns in memory and streams the others
+        from Zarr; ``res.P`` reads the array.  The pivots equal those of the
+        in-memory run and P agrees to rounding.  ``pivoting="greedy"`` only.
+    checkpoint : str, optional
+        Local path or fsspec URL of a Zarr group where the factorization is
+        checkpointed (with dask input, P itself lives there, as with
+        ``p_store``).  A driver that crashes resumes from it with
+        ``resume=True`` and ends with exactly the pivots and P of an
+        uninterrupted run.  ``pivoting="greedy"`` only.
+    checkpoint_every : int, default=25
+        Commit a checkpoint every this many iterations, and at the end.
+    resume : bool, default=False
+        Continue the checkpoint at ``checkpoint`` (start it if there is none).
+        It must have been written for the same data and parameters, or the
+        call is refused with a message saying what differs; a finished one
+        is returned as it is (``res.info["already_finished"]``).
+    overwrite : bool, default=False
+        Replace an existing dkicf P store or checkpoint (never anything that
+        dkicf did not create).
+    storage_options : dict, optional
+        fsspec options (credentials, endpoint) of ``p_store`` or ``checkpoint``.
 
     Returns
     -------
@@ -222,6 +283,10 @@ def incomplete_cholesky(
     (200, 20)
     >>> bool(np.all(np.diff(res.trace_errors) <= 0))
     True
+    >>> blk = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=20,
+    ...                           pivoting="block-greedy")
+    >>> bool(np.array_equal(blk.pivots, res.pivots)), blk.n_passes < res.n_passes
+    (True, True)
     """
     dask_input = is_dask_array(X)
     X = check_array_2d(X, "X")
@@ -229,16 +294,55 @@ def incomplete_cholesky(
     max_rank = _check_int(max_rank, "max_rank")
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
         raise ValueError(f"tol must be a number >= 0, got {tol!r}.")
+    rule, block_size, block_delta = _pivoting.check_pivoting(pivoting, block_size, block_delta)
+    key = _pivoting.rpcholesky_key(random_state) if rule == "rpcholesky" else None
     capacity = min(max_rank, n)
     kernel_obj = _resolve_kernel(X, kernel, gamma, degree, coef0, random_state)
+    storage = None
+    if p_store is not None or checkpoint is not None:
+        from .checkpoint import open_storage
+
+        if rule != "greedy":
+            raise ValueError(
+                f"p_store= and checkpoint= support pivoting='greedy' only, got {pivoting!r}."
+            )
+        fit = {**kernel_obj.get_params(), "max_rank": max_rank, "tol": tol,
+               "rank_tol": rank_tol, "random_state": random_state, "pivoting": rule}
+        X, storage = open_storage(
+            X, dask_input=dask_input, capacity=capacity, params=fit, p_store=p_store,
+            checkpoint=checkpoint, every=checkpoint_every, resume=resume,
+            overwrite=overwrite, client=client, storage_options=storage_options,
+        )
+        if storage.finished:
+            return storage.load_result(kernel_obj, dask_input)
+    restore = None if storage is None else storage.restore_point
     if dask_input:
-        backend = DaskBackend(X, kernel_obj, capacity, client, persist)
+        backend = DaskBackend(
+            X, kernel_obj, capacity, client, persist,
+            store=None if storage is None else storage.p_spec, restore=restore,
+        )
     else:
-        backend = NumpyBackend(X, kernel_obj, capacity)
+        backend = NumpyBackend(X, kernel_obj, capacity, restore=restore)
+    if storage is not None:
+        storage.attach(backend)
     try:
-        return _greedy_loop(backend, kernel_obj, n, d, capacity, tol, rank_tol, progress)
+        if rule == "greedy":
+            result = _greedy_loop(
+                backend, kernel_obj, n, d, capacity, tol, rank_tol, progress, storage
+            )
+        else:
+            result = _block_loop(
+                backend, kernel_obj, n, d, capacity, tol, rank_tol, progress,
+                rule, block_size, block_delta, key,
+            )
+    except worker_failure_types() as exc:
+        raise worker_failure(exc, "factorization", backend.step, storage) from exc
     finally:
         backend.close()
+    if storage is not None:
+        result.info.update(storage.info())
+    _warn_if_degenerate(result, n)
+    return result
 
 
 def _resolve_kernel(X, kernel, gamma, degree, coef0, random_state) -> Kernel:
@@ -254,6 +358,38 @@ def _resolve_kernel(X, kernel, gamma, degree, coef0, random_state) -> Kernel:
     return make_kernel(kernel, gamma=gamma, degree=degree, coef0=coef0, X_sample=sample, seed=seed)
 
 
+def _warn_if_degenerate(result: ICFResult, n: int) -> None:
+    """Warn when, for this data and kernel width, K is numerically I or the all-ones matrix."""
+    r = result.rank
+    final = float(result.trace_errors[-1]) if result.trace_errors.size else result.initial_trace
+    own = float(np.sum(np.diag(result.L) ** 2))  # each pivot's own residual
+    cross = result.initial_trace - final - own  # what the columns explained of other rows
+    if r >= 2 and cross <= 1e-3 * own:
+        warnings.warn(
+            f"the kernel matrix is numerically the identity for this data: each of the {r} "
+            f"columns of P explained only its own pivot (other rows' residuals fell by "
+            f"{max(cross, 0.0):.3g}, against {own:.3g} for the pivots), so the effective rank "
+            f"reached is {r} of {n} with no structure shared between points. The kernel width "
+            f"is too narrow ({result.kernel!r}); try a smaller gamma or gamma='median'.",
+            DegenerateKernelWarning,
+            stacklevel=3,
+        )
+    elif (
+        result.kernel.name in ("gaussian", "laplacian")
+        and 1 <= r <= 2 < n
+        and final <= 1e-8 * result.initial_trace
+    ):
+        warnings.warn(
+            f"the kernel matrix is numerically the all-ones matrix for this data: the "
+            f"factorization reached its numerical rank {r} after {r} iteration(s), so all "
+            f"{n} points look the same to the kernel. The kernel width is too wide "
+            f"({result.kernel!r}) or the rows are nearly identical; try a larger gamma "
+            "or gamma='median'.",
+            DegenerateKernelWarning,
+            stacklevel=3,
+        )
+
+
 def _sample_rows(X, m: int, random_state) -> np.ndarray:
     """A seeded sample of rows (without replacement), gathering only those rows."""
     n = X.shape[0]
@@ -264,7 +400,9 @@ def _sample_rows(X, m: int, random_state) -> np.ndarray:
     return np.asarray(X[idx], dtype=np.float64)
 
 
-def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> ICFResult:
+def _greedy_loop(
+    backend, kernel, n, d, capacity, tol, rank_tol, progress, storage=None
+) -> ICFResult:
     start = time.perf_counter()
     summary = backend.summary(1, first=True)
     initial_trace = summary["trace"]
@@ -275,6 +413,10 @@ def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> IC
     trace_errors: list[float] = []
     stop = "max_rank"
     trace = initial_trace
+    if storage is not None:  # on resume: the history and traces of the checkpoint
+        initial_trace, rank_tol, trace = storage.begin(
+            history, trace_errors, initial_trace, rank_tol
+        )
     while True:
         i = history.rank
         if i >= capacity:
@@ -301,6 +443,8 @@ def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> IC
         summary = backend.apply(block, history)
         trace = summary["trace"]
         trace_errors.append(trace)
+        if storage is not None:
+            storage.step(history, trace_errors, summary)
         if progress is not None:
             progress(
                 ICFProgress(
@@ -313,6 +457,8 @@ def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> IC
                 )
             )
     r = history.rank
+    if storage is not None:
+        storage.finish(history, trace_errors, stop, summary)
     P, residual = backend.result_arrays(r)
     logger.info(
         "incomplete Cholesky: rank %d, trace error %.3e (from %.3e), stop: %s, %.2f s",
@@ -331,4 +477,151 @@ def _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress) -> IC
         n_passes=int(summary["n_passes"]),
         elapsed=time.perf_counter() - start,
         info={"rank_tol": rank_tol},
+    )
+
+
+def _rows_per_task(backend, n: int) -> int:
+    """Rows one update task holds at once (sizes the kernel block of a pivot block)."""
+    chunks = getattr(backend, "chunks", None)
+    if chunks:
+        return int(max(chunks))
+    return int(min(n, getattr(backend, "_BLOCK_ROWS", n)))
+
+
+def _block_loop(
+    backend, kernel, n, d, capacity, tol, rank_tol, progress, rule, block_size, block_delta, key
+) -> ICFResult:
+    """Several pivots per pass: ``"block-greedy"`` and ``"rpcholesky"``.
+
+    Each iteration is one pass (``backend.apply`` of a pivot block) plus one
+    small map over the chunk states (:func:`dkicf.pivoting.chunk_block_stats`)
+    that returns the per-column sums of squares of the block just added (for
+    the per-pivot trace errors) together with the next candidates, whose rows
+    are then fetched with ``backend.rows``.  Neither re-reads X.
+
+    The stopping rules are those of :func:`_greedy_loop` pivot by pivot: the
+    numerical-rank test on the block's first pivot uses the chunks' largest
+    residual, later pivots of a block must clear it with a rounding margin,
+    and if the trace error falls to ``tol`` inside a block, the result is cut
+    at the pivot where the sequential loop would have stopped (the residual is
+    restored by adding back the squares of the dropped columns).
+    """
+    start = time.perf_counter()
+    summary = backend.summary(1, first=True)
+    initial_trace = summary["trace"]
+    max_diag = float(summary["values"][0]) if summary["values"].size else 0.0
+    roundoff = kernel.roundoff(summary.get("max_sqnorm", 0.0), d)
+    if rank_tol is None:
+        rank_tol = _EPS * max_diag * max(n, roundoff)
+    sizer = _pivoting.BlockSizer(rule, capacity, n, d, _rows_per_task(backend, n), block_size)
+    history = _chunk.History(kernel, capacity, d)
+    trace_errors: list[float] = []
+    blocks: list[tuple[int, int, str]] = []  # (candidates, pivots, why the block ended)
+    trace = initial_trace
+    lo = hi = 0  # columns of the block whose per-column sums are still to fetch
+    r = 0  # rank of the result (less than history.rank if tol is met inside a block)
+    draw = 0
+    stop = "max_rank"
+    while True:
+        i = history.rank
+        done = i >= capacity or trace <= tol or not float(summary["values"][0]) > rank_tol
+        if done:
+            request = _pivoting.CandidateRequest()
+        elif rule == "block-greedy":
+            request = _pivoting.CandidateRequest("top", sizer.count(i))
+        else:
+            request = _pivoting.CandidateRequest(
+                "race", sizer.count(i), key, draw, floor=rank_tol
+            )
+        colsq, cand = _pivoting.gather_candidates(backend, lo, hi, request)
+        if hi > lo:
+            traces = _pivoting.block_traces(trace, colsq)
+            below = np.flatnonzero(traces[:-1] <= tol)
+            # Inside the block, the sequential loop would have stopped after pivot lo + below[0].
+            kept = int(below[0]) + 1 if below.size else hi - lo
+            trace_errors.extend(traces[:kept].tolist())
+            r, trace = lo + kept, float(traces[kept - 1])
+            if progress is not None:
+                progress(
+                    ICFProgress(
+                        rank=r,
+                        max_rank=capacity,
+                        trace_error=trace,
+                        initial_trace=initial_trace,
+                        elapsed=time.perf_counter() - start,
+                        n_passes=summary["n_passes"],
+                    )
+                )
+            if below.size:
+                stop = "tol"
+                break
+        if i >= capacity:
+            stop = "max_rank"
+            break
+        if trace <= tol:
+            stop = "tol"
+            break
+        if not float(summary["values"][0]) > rank_tol:
+            stop = "numerical_rank"
+            break
+        b_max = sizer.block_max(i)
+        m_used = cand.index.shape[0]
+        if rule == "block-greedy":
+            margin = _pivoting.rounding_margin(max_diag, roundoff, i, m_used)
+            choice = _pivoting.greedy_block(
+                kernel, cand, b_max=b_max, rank_tol=rank_tol, margin=margin,
+                delta=block_delta, trace=trace, tol=tol,
+            )
+        else:
+            uniforms = _pivoting.accept_uniforms(key, draw, cand.draws.shape[0])
+            choice = _pivoting.rpcholesky_block(
+                kernel, cand, uniforms, b_max=b_max, rank_tol=rank_tol, trace=trace, tol=tol,
+            )
+            m_used = cand.draws.shape[0]
+            draw += 1
+        order = choice.order
+        b = order.shape[0]
+        blocks.append((m_used, b, choice.reason))
+        sizer.update(i, m_used, b, choice.reason)
+        block = _chunk.PivotBlock(
+            kernel=kernel,
+            index=cand.index[order],
+            rows=cand.rows[order],
+            aux=None if cand.aux is None else cand.aux[order],
+            U=cand.U[order],
+            L=choice.L,
+            rank=i,
+        )
+        history.append(block)
+        summary = backend.apply(block, history, 1)
+        trace = summary["trace"]
+        lo, hi = i, i + b
+    P, residual = backend.result_arrays(history.rank)
+    if r < history.rank:
+        dropped = P[:, r:]
+        residual = residual + (dropped * dropped).sum(axis=1)
+        P = P[:, :r]
+    logger.info(
+        "incomplete Cholesky (%s): rank %d in %d passes, trace error %.3e (from %.3e), "
+        "stop: %s, %.2f s",
+        rule, r, summary["n_passes"], trace, initial_trace, stop, time.perf_counter() - start,
+    )
+    return ICFResult(
+        pivots=history.index[:r].copy(),
+        P=P,
+        trace_errors=np.array(trace_errors, dtype=np.float64),
+        residual=residual,
+        L=np.ascontiguousarray(history.L[:r, :r]),
+        pivot_rows=np.ascontiguousarray(history.rows[:r]),
+        kernel=kernel,
+        initial_trace=initial_trace,
+        stop_reason=stop,
+        n_passes=int(summary["n_passes"]),
+        elapsed=time.perf_counter() - start,
+        info={
+            "rank_tol": rank_tol,
+            "pivoting": rule,
+            "block_sizes": [b for _, b, _ in blocks],
+            "blocks": blocks,
+        },
     )

@@ -245,3 +245,22 @@ def test_dask_rebase_replays_a_lost_state_bit_for_bit(client, rng):
     state = _chunk.chunk_rebase(chunk, "no-such-key", history.snapshot(), 100, 12, 1)
     np.testing.assert_array_equal(state.P[:, :12], backend.state.P[100:200, :12])
     np.testing.assert_array_equal(state.e, backend.state.e[100:200])
+
+
+def _logged_read(block, path):
+    with open(path, "a") as fh:
+        fh.write("r\n")
+    return block
+
+
+def test_dask_streaming_rereads_X_on_every_pass(client, rng, tmp_path):
+    """persist=False: every pass reads the chunks again (data larger than the cluster)."""
+    log = tmp_path / "reads.log"
+    X = da.from_array(rng.normal(size=(400, 2)), chunks=100).map_blocks(
+        _logged_read, path=str(log), dtype=float
+    )
+    res = incomplete_cholesky(X, gamma=1.0, max_rank=10, tol=0, client=client, persist=False)
+    assert res.n_passes == 11
+    reads = len(log.read_text().splitlines())
+    # 4 chunks per pass (plus the median-free start): at least one read per chunk and pass.
+    assert reads >= 4 * res.n_passes

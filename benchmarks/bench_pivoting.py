@@ -1,0 +1,148 @@
+"""Pivot rules compared: passes over X, wall time, trace error and clustering accuracy.
+
+For each rank s this runs, on the same data, the paper's sequential greedy
+rule (one pass over X per pivot), block greedy (the same pivots, a block per
+pass) and blocked RPCholesky, and prints for each
+
+* the passes over X (``n_passes``, counting the pass for the diagonal),
+* the wall time of the factorization,
+* the final trace error ``tr(K - P P^T)``,
+* the clustering accuracy of k-means on P (scikit-learn ``KMeans(10,
+  n_init=3)``, accuracy by Hungarian matching of clusters to labels),
+
+then the ratios greedy / block greedy of passes and time and whether block
+greedy's pivots are identical to greedy's (target at s = 500 on MNIST, numpy
+backend: identical pivots, >= 10x fewer passes, >= 5x less time).
+
+Default data: MNIST (``/work/shared/data/mnist.npz`` or ``--data``), X / 255,
+Gaussian kernel with gamma = 2**-6.  ``--zarr`` instead writes a random dask
+array to a temporary Zarr store and factorizes it on a LocalCluster of
+2 workers with ``persist=False``, so every pass re-reads X from Zarr.
+
+Run: python benchmarks/bench_pivoting.py [--n 60000] [--sizes 100 500 1000]
+     python benchmarks/bench_pivoting.py --zarr [--zarr-n 400000] [--zarr-d 32] [--sizes 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RULES = ("greedy", "block-greedy", "rpcholesky")
+MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist.npz"
+
+
+def load_mnist(path: Path, n: int | None, seed: int):
+    data = np.load(path)
+    X, y = data["X"], data["y"]
+    if n is not None and n < X.shape[0]:
+        idx = np.sort(np.random.default_rng(seed).choice(X.shape[0], size=n, replace=False))
+        X, y = X[idx], y[idx]
+    return np.asarray(X, dtype=np.float64) / 255.0, y
+
+
+def accuracy(P, y, seed: int) -> float:
+    from sklearn.cluster import KMeans
+
+    from dkicf.metrics import clustering_accuracy
+
+    labels = KMeans(10, n_init=3, random_state=seed).fit_predict(np.asarray(P))
+    return clustering_accuracy(y, labels)
+
+
+def run(X, s: int, rule: str, **kwargs):
+    from dkicf import incomplete_cholesky
+
+    t0 = time.perf_counter()
+    res = incomplete_cholesky(X, max_rank=s, tol=0, pivoting=rule, **kwargs)
+    return res, time.perf_counter() - t0
+
+
+def report(s, results, y, seed):
+    print(f"\ns = {s}")
+    print(f"  {'rule':<13}{'rank':>6}{'passes':>8}{'time (s)':>10}{'trace error':>14}"
+          f"{'ACC':>8}   blocks")
+    for rule, (res, sec) in results.items():
+        acc = f"{accuracy(res.P, y, seed):8.4f}" if y is not None else f"{'-':>8}"
+        sizes = res.info.get("block_sizes")
+        blocks = "" if sizes is None else f"{len(sizes)} (largest {max(sizes, default=0)})"
+        print(f"  {rule:<13}{res.rank:>6}{res.n_passes:>8}{sec:>10.2f}"
+              f"{res.trace_errors[-1]:>14.6g}{acc}   {blocks}")
+    g, g_sec = results["greedy"]
+    b, b_sec = results["block-greedy"]
+    same = g.pivots.shape == b.pivots.shape and bool(np.array_equal(g.pivots, b.pivots))
+    k = min(g.rank, b.rank)
+    trace_gap = float(np.max(np.abs(g.trace_errors[:k] - b.trace_errors[:k]))) if k else 0.0
+    print(f"  greedy / block-greedy: passes {g.n_passes / b.n_passes:.1f}x, "
+          f"time {g_sec / b_sec:.1f}x; pivots identical: {same} "
+          f"(max |trace error difference| {trace_gap:.1e})")
+
+
+def bench_numpy(args) -> None:
+    X, y = load_mnist(args.data, args.n, args.seed)
+    print(f"MNIST n={X.shape[0]} d={X.shape[1]} gamma=2**-6, numpy backend, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    for s in args.sizes:
+        results = {rule: run(X, s, rule, gamma=2.0**-6, random_state=args.seed)
+                   for rule in RULES}
+        report(s, results, y, args.seed)
+
+
+def bench_zarr(args) -> None:
+    import dask.array as da
+
+    from dkicf import local_cluster
+
+    client = local_cluster(2, 1, memory_limit=args.memory_limit)
+    try:
+        with tempfile.TemporaryDirectory(prefix="dkicf-bench-") as tmp:
+            path = os.path.join(tmp, "X.zarr")
+            rs = da.random.RandomState(args.seed)
+            chunk = -(-args.zarr_n // args.chunks)
+            X = rs.normal(size=(args.zarr_n, args.zarr_d), chunks=(chunk, args.zarr_d))
+            da.to_zarr(X, path)
+            Xz = da.from_zarr(path)
+            gamma = 1.0 / (2 * args.zarr_d)
+            print(f"Zarr random normal n={args.zarr_n} d={args.zarr_d} in {Xz.numblocks[0]} "
+                  f"chunks, gamma={gamma:g}, LocalCluster 2 workers x 1 thread, "
+                  f"persist=False (X re-read every pass)")
+            for s in args.sizes:
+                results = {
+                    rule: run(Xz, s, rule, gamma=gamma, client=client, persist=False,
+                              random_state=args.seed)
+                    for rule in RULES
+                }
+                report(s, results, None, args.seed)
+                results.clear()  # release P's chunks on the workers before the next run
+    finally:
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=MNIST, help="MNIST .npz with X and y")
+    p.add_argument("--n", type=int, default=None, help="subsample this many MNIST rows")
+    p.add_argument("--sizes", type=int, nargs="+", default=[100, 500, 1000])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zarr", action="store_true",
+                   help="random data in Zarr on a LocalCluster, persist=False")
+    p.add_argument("--zarr-n", type=int, default=400_000)
+    p.add_argument("--zarr-d", type=int, default=32)
+    p.add_argument("--chunks", type=int, default=8, help="row chunks of the Zarr array")
+    p.add_argument("--memory-limit", default="4GiB", help="per worker, --zarr only")
+    args = p.parse_args(argv)
+    if args.zarr:
+        bench_zarr(args)
+    else:
+        bench_numpy(args)
+
+
+if __name__ == "__main__":
+    main()

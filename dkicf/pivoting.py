@@ -1,0 +1,706 @@
+"""Pivot rules that add a block of pivots per pass over the data.
+
+The paper's Algorithm 1 (``pivoting="greedy"``) reads X once per pivot.  The
+rules here choose ``b`` pivots from a small candidate set on the driver and
+add them all with one pass (:func:`dkicf._chunk.chunk_update` applies a block
+``p = (K[:, T] - P U^T) L^{-T}``):
+
+* ``"block-greedy"``: the candidates are the ``m`` largest residuals; greedy
+  pivoted Cholesky on their Schur complement ``S_CC = K_CC - P_C P_C^T``
+  accepts pivots only while the chosen candidate's updated residual beats the
+  ``(m+1)``-th largest residual, which bounds every other row's residual.  The
+  accepted pivots are then exactly those of the sequential greedy rule
+  (see ``docs/pivoting.md`` for the argument and its floating-point margin).
+* ``"rpcholesky"``: randomly pivoted Cholesky (Chen, Epperly, Tropp and
+  Webber, 2023) in its accelerated, blocked form (Epperly, Tropp and Webber,
+  2024): i.i.d. candidates drawn with probability proportional to the residual,
+  then rejection sampling on the driver so that each accepted pivot is
+  distributed as in the one-at-a-time algorithm.  The random numbers of a row
+  depend only on the seed, the draw and the row's global index, so the pivots
+  do not depend on the chunking of X or on the number of workers.
+
+This module holds the chunk task that feeds these rules
+(:func:`chunk_block_stats`, run with ``backend.map_chunks``), the driver-side
+selection of a block (:func:`greedy_block`, :func:`rpcholesky_block`) and the
+adaptive choice of the candidate count and block size (:class:`BlockSizer`).
+The pass loop itself is in :mod:`dkicf.icf`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernels import Kernel
+
+__all__ = [
+    "PIVOT_RULES",
+    "accept_uniforms",
+    "BlockChoice",
+    "BlockSizer",
+    "Candidates",
+    "CandidateRequest",
+    "block_traces",
+    "check_pivoting",
+    "chunk_block_stats",
+    "gather_candidates",
+    "greedy_block",
+    "rounding_margin",
+    "rpcholesky_block",
+    "rpcholesky_key",
+]
+
+PIVOT_RULES = ("greedy", "block-greedy", "rpcholesky")
+
+_EPS = np.finfo(np.float64).eps
+# Bytes one chunk task may spend on the block's kernel columns (n_rows x b
+# float64, about three copies: the block, its triangular solve, the write).
+_TASK_BYTES = 256 << 20
+# Bytes of candidate rows (of X and of P) the driver fetches per pass.
+_CANDIDATE_BYTES = 256 << 20
+# Philox counter words that separate the random streams of one draw.
+_STREAM_FIRST, _STREAM_LATER, _STREAM_ACCEPT = 0, 1, 2
+
+
+def check_pivoting(pivoting, block_size, block_delta) -> tuple[str, int | None, float]:
+    """Validate the pivot-rule parameters of :func:`dkicf.incomplete_cholesky`.
+
+    Returns
+    -------
+    (rule, block_size, block_delta) with the rule name in lower case.
+    """
+    rule = pivoting.lower() if isinstance(pivoting, str) else pivoting
+    if rule not in PIVOT_RULES:
+        valid = ", ".join(repr(r) for r in PIVOT_RULES)
+        raise ValueError(f"pivoting must be one of {valid}, got {pivoting!r}.")
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+            raise TypeError(
+                f"block_size must be an integer or None, got {block_size!r} of type "
+                f"{type(block_size).__name__}."
+            )
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        if rule == "greedy":
+            raise ValueError(
+                f"block_size={block_size} has no effect with pivoting='greedy', which adds one "
+                "pivot per pass; use pivoting='block-greedy' (same pivots) or 'rpcholesky'."
+            )
+        block_size = int(block_size)
+    if (
+        isinstance(block_delta, bool)
+        or not isinstance(block_delta, numbers.Real)
+        or not 0.0 <= block_delta < 1.0
+    ):
+        raise ValueError(f"block_delta must be a number in [0, 1), got {block_delta!r}.")
+    if block_delta and rule != "block-greedy":
+        raise ValueError(
+            f"block_delta={block_delta} applies to pivoting='block-greedy' only, "
+            f"got pivoting={rule!r}."
+        )
+    return rule, block_size, float(block_delta)
+
+
+def rpcholesky_key(random_state) -> np.ndarray:
+    """The 128-bit Philox key of the random pivots, derived once from ``random_state``.
+
+    ``None`` draws fresh entropy; an integer gives a reproducible key; a
+    ``numpy.random.Generator`` contributes one draw.  The key is a child of the
+    seed (its own spawn key), so it is independent of the median heuristic's
+    sample, which uses the same ``random_state``.
+    """
+    if isinstance(random_state, np.random.Generator):
+        entropy = int(random_state.integers(2**63))
+    elif random_state is None:
+        entropy = None
+    elif isinstance(random_state, numbers.Integral) and not isinstance(random_state, bool):
+        entropy = int(random_state)
+    else:
+        raise TypeError(
+            "random_state must be None, an integer or a numpy.random.Generator, "
+            f"got {type(random_state).__name__}."
+        )
+    seq = np.random.SeedSequence(entropy, spawn_key=(0x52504348,))  # "RPCH"
+    return seq.generate_state(2, np.uint64)
+
+
+# ------------------------------------------------------------------ chunk task
+
+
+@dataclass(frozen=True)
+class CandidateRequest:
+    """What :func:`chunk_block_stats` returns besides the per-column sums.
+
+    Attributes
+    ----------
+    rule : {"top", "race"}
+        ``"top"``: the ``count`` largest residuals (ties to the lowest row
+        index) and the next one, which bounds all the others.  ``"race"``:
+        the ``count`` first arrivals of an exponential race in which row ``j``
+        arrives at rate ``e[j]``: ``count`` i.i.d.
+        draws with probability proportional to the residual.
+    count : int
+        Number of candidates (0: only the per-column sums).
+    key : (2,) uint64 array, optional
+        Philox key of the race.
+    draw : int
+        Draw number, part of the counter of every random number of the race.
+    floor : float
+        Race only: rows whose residual is ``<= floor`` (rounding noise) never
+        arrive.
+    """
+
+    rule: str = "top"
+    count: int = 0
+    key: np.ndarray | None = None
+    draw: int = 0
+    floor: float = 0.0
+
+
+def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: CandidateRequest) -> dict:
+    """Per-column sums of squares of P[:, lo:hi] and this chunk's candidates.
+
+    Runs as ``backend.map_chunks(chunk_block_stats, lo, hi, request)``; reads
+    the chunk's state only (not X), so it is not a pass over the data.
+
+    Returns
+    -------
+    dict with ``colsq`` (``(hi - lo,)`` sums over the chunk's rows of the
+    squared new columns), and ``key``/``index`` of the candidates: residuals
+    (``"top"``, to sort in decreasing order) or arrival times (``"race"``,
+    increasing), with global row indices.
+    """
+    P = state.P[:, lo:hi]
+    out = {"colsq": np.einsum("ij,ij->j", P, P) if hi > lo else np.empty(0)}
+    e = state.e
+    if request.count == 0 or e.shape[0] == 0:
+        out["key"], out["index"] = np.empty(0), np.empty(0, dtype=np.int64)
+    elif request.rule == "top":
+        local = _top_rows(e, request.count + 1)
+        out["key"], out["index"] = e[local].copy(), local + offset
+    else:
+        out["key"], out["index"] = _race_arrivals(
+            e, offset, request.count, request.key, request.draw, request.floor
+        )
+    return out
+
+
+def _top_rows(e: np.ndarray, m: int) -> np.ndarray:
+    """Local indices of the ``m`` largest entries, decreasing, ties to the lowest index.
+
+    Every entry tied with the ``m``-th value is considered before cutting, so
+    the rows kept at a tie are the lowest-indexed ones, as the sequential
+    rule's ``argmax`` would take them.
+    """
+    n = e.shape[0]
+    if m < n:
+        threshold = e[np.argpartition(-e, m - 1)[m - 1]]
+        sel = np.flatnonzero(e >= threshold)
+    else:
+        sel = np.arange(n)
+    return sel[np.lexsort((sel, -e[sel]))][:m]
+
+
+def _uniform01(raw: np.ndarray) -> np.ndarray:
+    """Doubles in [0, 1) from raw 64-bit words (the top 53 bits)."""
+    return (raw >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _row_uniforms(key, draw: int, lo: int, count: int) -> np.ndarray:
+    """Uniforms of global rows ``lo .. lo+count-1`` for a draw: word ``g`` of one Philox stream.
+
+    Philox is counter based: each counter value yields four 64-bit words, so
+    the stream is entered at row ``lo`` without generating the rows before it.
+    """
+    bitgen = np.random.Philox(key=key, counter=[lo // 4, 0, _STREAM_FIRST, draw])
+    return _uniform01(bitgen.random_raw(count + lo % 4)[lo % 4 :])
+
+
+class _RowStreams:
+    """Exponential gaps between a row's later arrivals: one Philox stream per row.
+
+    The stream of global row ``g`` starts at counter ``(0, g, 1, draw)``; one
+    bit generator is re-pointed from row to row (cheaper than creating one).
+    """
+
+    def __init__(self, key, draw: int):
+        self.bitgen = np.random.Philox(key=key)
+        self.state = self.bitgen.state
+        self.draw = draw
+
+    def gaps(self, row: int, count: int) -> np.ndarray:
+        self.state["state"]["counter"] = np.array(
+            [0, row, _STREAM_LATER, self.draw], dtype=np.uint64
+        )
+        self.state["buffer_pos"] = 4
+        self.bitgen.state = self.state
+        return -np.log1p(-_uniform01(self.bitgen.random_raw(count)))
+
+
+def _race_arrivals(e, offset, count, key, draw, floor):
+    """This chunk's ``count`` first arrivals of the exponential race (times, global rows).
+
+    Row ``g`` arrives at the times of a Poisson process of rate ``e[g]``: the
+    first after ``E_1 / e[g]``, later ones after further ``E_k / e[g]`` with
+    ``E_k ~ Exp(1)``.  The merged process's arrivals are i.i.d. draws with
+    probability ``e[g] / sum(e)``.  A row that is not among the ``count`` first
+    *first* arrivals cannot have any of the ``count`` first arrivals, so only
+    those rows draw later gaps.
+    """
+    n = e.shape[0]
+    first = -np.log1p(-_row_uniforms(key, draw, offset, n))
+    live = e > floor
+    times = np.full(n, np.inf)
+    times[live] = first[live] / e[live]
+    k = min(count, int(live.sum()))
+    if k == 0:
+        return np.empty(0), np.empty(0, dtype=np.int64)
+    rows = np.argpartition(times, k - 1)[:k] if k < n else np.flatnonzero(live)
+    rows = rows[np.argsort(times[rows], kind="stable")]
+    # Arrivals after the count-th first arrival cannot be among the count first ones.
+    t_max = times[rows[-1]] if k == count else np.inf
+    all_t, all_g = [times[rows]], [rows]
+    streams = _RowStreams(key, draw)
+    for rank, j in enumerate(rows):
+        # The row ranked `rank` by first arrival holds at most count - rank of them.
+        limit = count - rank - 1
+        size = min(limit, 4)
+        while size:
+            gaps = streams.gaps(int(j) + offset, size)
+            later = times[j] + np.cumsum(gaps) / e[j]
+            if later[-1] > t_max or size == limit:
+                later = later[later <= t_max]
+                all_t.append(later)
+                all_g.append(np.full(later.shape[0], j))
+                break
+            size = min(limit, 4 * size)
+    t = np.concatenate(all_t)
+    g = np.concatenate(all_g)
+    keep = np.lexsort((g, t))[:count]
+    return t[keep], g[keep].astype(np.int64) + offset
+
+
+# ------------------------------------------------------------------ driver side
+
+
+@dataclass
+class Candidates:
+    """Candidate rows on the driver.
+
+    Attributes
+    ----------
+    index : (m,) global row indices (distinct).
+    values : (m,) their residuals ``e`` at the start of the block.
+    rows, aux : their rows of X (float64) and kernel auxiliary values.
+    U : (m, i) their rows of P.
+    bound : float
+        ``"top"``: the largest residual outside the candidates (``-inf`` if
+        every row is a candidate).
+    draws : (T,) int array, optional
+        ``"race"``: positions in ``index`` of the i.i.d. draws, in arrival order.
+    """
+
+    index: np.ndarray
+    values: np.ndarray
+    rows: np.ndarray
+    aux: np.ndarray | None
+    U: np.ndarray
+    bound: float = -np.inf
+    draws: np.ndarray | None = None
+
+
+def gather_candidates(backend, lo: int, hi: int, request: CandidateRequest):
+    """One map over the chunks, then the candidates' rows.
+
+    Only the selected candidates' rows of X and P travel to the driver,
+    whatever the number of chunks; neither step reads X anew.
+
+    Parameters
+    ----------
+    backend : NumpyBackend or DaskBackend
+    lo, hi : int
+        Columns of P whose sums of squares are wanted (the block the last
+        pass added; ``lo == hi`` for none).
+    request : CandidateRequest
+
+    Returns
+    -------
+    colsq : ndarray of shape (hi - lo,)
+        Sums over all rows of the squared columns ``lo:hi`` of P.
+    candidates : Candidates or None
+        None if ``request.count == 0``.  For ``"top"``, sorted by decreasing
+        residual (ties to the lowest index) with the bound set; for
+        ``"race"``, distinct rows with ``draws`` in arrival order.
+    """
+    parts = backend.map_chunks(chunk_block_stats, lo, hi, request)
+    colsq = np.array([math.fsum(c) for c in zip(*(p["colsq"] for p in parts))])
+    if request.count == 0:
+        return colsq, None
+    key = np.concatenate([p["key"] for p in parts])
+    index = np.concatenate([p["index"] for p in parts])
+    if request.rule == "top":
+        order = np.lexsort((index, -key))
+        top, rest = order[: request.count], order[request.count : request.count + 1]
+        cand_index = index[top]
+        xr, aux, pr, er = backend.rows(cand_index)
+        cand = Candidates(cand_index, er, xr, aux, pr)
+        if rest.size:
+            cand.bound = float(key[rest[0]])
+        return colsq, cand
+    order = np.lexsort((index, key))[: request.count]
+    drawn = index[order]
+    unique, draws = np.unique(drawn, return_inverse=True)
+    xr, aux, pr, er = backend.rows(unique)
+    return colsq, Candidates(unique, er, xr, aux, pr, draws=draws.reshape(-1))
+
+
+@dataclass
+class BlockChoice:
+    """The pivots accepted from the candidates, ready for a :class:`PivotBlock`.
+
+    Attributes
+    ----------
+    order : (b,) positions in the candidate arrays, in pivot order.
+    L : (b, b) lower-triangular factor of the candidates' Schur complement in that order.
+    reason : why the block ended: ``"cap"``, ``"bound"``, ``"ambiguous"``,
+        ``"rank"``, ``"tol"`` or ``"exhausted"``.
+    """
+
+    order: np.ndarray
+    L: np.ndarray
+    reason: str
+
+
+class _SmallCholesky:
+    """Pivoted Cholesky of the candidates' Schur complement, left-looking.
+
+    Only columns of ``S_CC = K_CC - P_C P_C^T`` that may be needed are formed,
+    a panel at a time (the pivot asked for and the candidates most likely to
+    follow it), each panel one kernel block and one matrix product.  Panels
+    start at 8 columns and double, so the cost is ``O(m b (d + i + b))`` for
+    ``b`` pivots out of ``m`` candidates, at matrix-matrix speed.
+    """
+
+    def __init__(self, kernel: Kernel, cand: Candidates, b_max: int, panel: int = 8):
+        self.kernel, self.cand = kernel, cand
+        m = cand.index.shape[0]
+        self.panel = panel
+        self.d = cand.values.astype(np.float64).copy()
+        self.values_sum = float(self.d.sum())
+        self.free = np.ones(m, dtype=bool)
+        self.Lc = np.zeros((m, b_max), order="F")
+        self.order: list[int] = []
+        # Cached Schur-complement columns: slot of each candidate (-1: none)
+        # and how many of the block's pivots each cached column already has.
+        self.slot = np.full(m, -1, dtype=np.int64)
+        self.S = np.empty((m, min(m, 2 * panel)), order="F")
+        self.applied = np.empty(self.S.shape[1], dtype=np.int64)
+        self.n_cached = 0
+
+    @property
+    def k(self) -> int:
+        return len(self.order)
+
+    def _fill(self, c: int, likely) -> None:
+        """Form the columns of ``c`` and of the first uncached ``likely()`` candidates."""
+        cand, k = self.cand, self.k
+        likely = likely()
+        extra = likely[(self.slot[likely] < 0) & self.free[likely] & (likely != c)]
+        pick = np.concatenate([[c], extra[: self.panel - 1]]).astype(np.int64)
+        aux_p = None if cand.aux is None else cand.aux[pick]
+        G = self.kernel.block(cand.rows, cand.rows[pick], cand.aux, aux_p)
+        if cand.U.shape[1]:
+            G -= cand.U @ cand.U[pick].T
+        if k:
+            G -= self.Lc[:, :k] @ self.Lc[pick, :k].T
+        start, stop = self.n_cached, self.n_cached + pick.shape[0]
+        if stop > self.S.shape[1]:
+            grown = np.empty((self.S.shape[0], max(stop, 2 * self.S.shape[1])), order="F")
+            grown[:, :start] = self.S[:, :start]
+            self.S = grown
+            self.applied = np.resize(self.applied, grown.shape[1])
+        self.S[:, start:stop] = G
+        self.applied[start:stop] = k
+        self.slot[pick] = np.arange(start, stop)
+        self.n_cached = stop
+        self.panel = min(2 * self.panel, 256)
+
+    def take(self, c: int, likely) -> None:
+        """Make candidate ``c`` the next pivot.
+
+        ``likely()`` lists the candidates to form along with ``c`` if its
+        column is not cached yet (called only then).
+        """
+        k = self.k
+        if self.slot[c] < 0:
+            self._fill(c, likely)
+        j = self.slot[c]
+        col = self.S[:, j].copy()
+        k0 = int(self.applied[j])
+        if k > k0:
+            col -= self.Lc[:, k0:k] @ self.Lc[c, k0:k]
+        nu = math.sqrt(self.d[c])
+        col /= nu
+        # Pivots already in the block have a zero residual: their entries vanish.
+        col[~self.free] = 0.0
+        col[c] = nu
+        self.Lc[:, k] = col
+        d = self.d
+        d -= col * col
+        np.maximum(d, 0.0, out=d)
+        d[c] = 0.0
+        self.free[c] = False
+        self.order.append(c)
+
+    def by_residual(self) -> np.ndarray:
+        """Free candidates by decreasing updated residual (the greedy rule's likely next)."""
+        free = np.flatnonzero(self.free)
+        return free[np.argsort(-self.d[free], kind="stable")]
+
+    def best(self) -> tuple[int, float]:
+        """The free candidate of largest updated residual, ties to the lowest row index."""
+        vals = np.where(self.free, self.d, -np.inf)
+        v = vals.max()
+        ties = np.flatnonzero(vals == v)
+        return int(ties[np.argmin(self.cand.index[ties])]), float(v)
+
+    def trace_upper_bound(self, trace: float) -> float:
+        """``tr(K - P P^T)`` after the pivots so far is at most this.
+
+        Rows outside the candidates only lose residual, so the drop of the
+        candidates' residuals is a lower bound on the drop of the trace.
+        """
+        return trace - (self.values_sum - float(self.d.sum()))
+
+    def choice(self, reason: str) -> BlockChoice:
+        order = np.array(self.order, dtype=np.int64)
+        L = np.tril(self.Lc[order, : order.shape[0]])
+        return BlockChoice(order, L, reason)
+
+
+def rounding_margin(max_diag: float, roundoff: float, rank: int, m: int) -> float:
+    """Residual differences below this are treated as rounding, not as an order.
+
+    The driver's updated residuals and the chunks' (or the sequential
+    algorithm's) residuals are computed by different sequences of operations;
+    both have errors of order ``eps * max(diag K) * (c + i + m)`` with ``c`` the
+    kernel's rounding factor.  A pivot decision closer than this is left to the
+    next pass, where the chunks' own residuals decide as the sequential rule does.
+    """
+    return 8.0 * _EPS * max_diag * (roundoff + rank + m)
+
+
+def greedy_block(
+    kernel: Kernel,
+    cand: Candidates,
+    *,
+    b_max: int,
+    rank_tol: float,
+    margin: float,
+    delta: float = 0.0,
+    trace: float = np.inf,
+    tol: float = 0.0,
+) -> BlockChoice:
+    """Greedy pivots on the candidates while they provably equal the sequential ones.
+
+    The first pivot is the largest residual (the candidates come sorted by the
+    sequential rule).  Each later one is the candidate with the largest
+    updated residual ``v`` and is accepted only if
+
+    * ``v > bound + margin``: every row outside the candidates has a residual
+      ``<= bound`` now (residuals never increase), so no row outside can beat
+      it; a tie with a row outside, or a gap within rounding, ends the block;
+    * no other free candidate is within ``margin`` of ``v`` unless exactly
+      equal (an exact tie goes to the lowest row index, as sequentially);
+    * ``v > rank_tol + margin``: below that the sequential rule may stop for
+      the numerical rank, which the next pass's residuals decide.
+
+    With ``delta > 0`` the first test becomes ``v >= (1 - delta) * bound`` and
+    the second is dropped: larger blocks, pivots no longer exactly the
+    sequential ones.  The block also ends once the trace error is certainly
+    ``<= tol`` (the exact stopping pivot is found from the pass's column sums).
+
+    Parameters
+    ----------
+    kernel : Kernel
+    cand : Candidates
+        The ``"top"`` candidates, sorted as the sequential rule ranks them.
+    b_max : int
+        Largest number of pivots.
+    rank_tol : float
+        The numerical-rank threshold of the factorization.
+    margin : float
+        Residual differences treated as rounding (:func:`rounding_margin`).
+    delta : float, default=0.0
+        ``block_delta``.
+    trace, tol : float
+        Trace error at the start of the block and the factorization's ``tol``.
+
+    Returns
+    -------
+    BlockChoice
+    """
+    chol = _SmallCholesky(kernel, cand, b_max)
+    chol.take(chol.best()[0], chol.by_residual)
+    reason = "cap"
+    while chol.k < b_max:
+        if chol.trace_upper_bound(trace) <= tol:
+            reason = "tol"
+            break
+        if not chol.free.any():
+            reason = "exhausted"
+            break
+        c, v = chol.best()
+        if not v > rank_tol + margin:
+            reason = "rank"
+            break
+        if delta:
+            if v < (1.0 - delta) * cand.bound:
+                reason = "bound"
+                break
+        else:
+            if not v > cand.bound + margin:
+                reason = "bound"
+                break
+            near = chol.free & (chol.d >= v - margin)
+            if np.any(chol.d[near] != v):
+                reason = "ambiguous"
+                break
+        chol.take(c, chol.by_residual)
+    return chol.choice(reason)
+
+
+def rpcholesky_block(
+    kernel: Kernel,
+    cand: Candidates,
+    uniforms: np.ndarray,
+    *,
+    b_max: int,
+    rank_tol: float,
+    trace: float = np.inf,
+    tol: float = 0.0,
+) -> BlockChoice:
+    """Accelerated RPCholesky's rejection step on i.i.d. draws proportional to ``e``.
+
+    Draw ``j`` (row ``s``) is accepted if ``u_j * e[s] < d[s]``, with ``d`` the
+    residual updated by the pivots accepted before it in this block: given the
+    earlier pivots, each accepted pivot is distributed proportionally to the
+    current residual, as in the sequential algorithm (Epperly, Tropp and
+    Webber, 2024).  The first draw is always accepted.  Rows whose updated
+    residual is ``<= rank_tol`` are rounding noise and are never accepted.
+
+    Parameters
+    ----------
+    kernel : Kernel
+    cand : Candidates
+        The ``"race"`` candidates (distinct rows and the draws).
+    uniforms : ndarray of shape (len(cand.draws),)
+        One uniform in [0, 1) per draw (:func:`accept_uniforms`).
+    b_max, rank_tol, trace, tol :
+        As for :func:`greedy_block`.
+
+    Returns
+    -------
+    BlockChoice
+    """
+    chol = _SmallCholesky(kernel, cand, b_max)
+    reason = "exhausted"
+    for j, s in enumerate(cand.draws):
+        if chol.k == b_max:
+            reason = "cap"
+            break
+        if chol.k and chol.trace_upper_bound(trace) <= tol:
+            reason = "tol"
+            break
+        v = chol.d[s]
+        if v > rank_tol and uniforms[j] * cand.values[s] < v:
+            chol.take(int(s), lambda j=j: _first_occurrences(cand.draws[j + 1 :]))
+    return chol.choice(reason)
+
+
+def _first_occurrences(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a`` in the order they first appear."""
+    _, first = np.unique(a, return_index=True)
+    return a[np.sort(first)]
+
+
+def accept_uniforms(key, draw: int, count: int) -> np.ndarray:
+    """The rejection step's uniforms of a draw (driver side, independent of chunking)."""
+    bitgen = np.random.Philox(key=key, counter=[0, 0, _STREAM_ACCEPT, draw])
+    return _uniform01(bitgen.random_raw(count))
+
+
+def block_traces(trace_after: float, colsq: np.ndarray) -> np.ndarray:
+    """``tr(K - P P^T)`` after each pivot of a block, from the pass's per-column sums.
+
+    After pivot ``j`` of the block the residual is the one after the block plus
+    the squares of the block's later columns (a pivot row's entries in its own
+    later columns are zero), so the trace is ``trace_after + sum(colsq[j+1:])``.
+    """
+    b = colsq.shape[0]
+    later = np.zeros(b)
+    if b > 1:
+        later[:-1] = np.cumsum(colsq[::-1])[::-1][1:]
+    return trace_after + later
+
+
+class BlockSizer:
+    """Adaptive candidate count ``m`` and largest block ``b`` of the block rules.
+
+    ``b`` is capped by ``block_size`` (if given), by ``max_rank - rank`` and by
+    memory: a chunk task holds ``rows_per_task x b`` kernel values.  ``m``
+    starts at ``n / 32`` (within [64, 4096]) and doubles while at least one
+    candidate in 16 is accepted (a larger candidate set lowers the bound and
+    lets more pivots through); it stays below ``max(1024, n / 8)`` so that
+    the driver's work, about ``m / n`` of a pass, stays small.  For RPCholesky, ``m`` is the number
+    of draws, sized from the observed acceptance rate to fill a block.
+    """
+
+    def __init__(
+        self,
+        rule: str,
+        capacity: int,
+        n: int,
+        d: int,
+        rows_per_task: int,
+        block_size: int | None,
+    ):
+        self.rule = rule
+        self.capacity = capacity
+        self.n = n
+        self.d = d
+        b_mem = max(1, _TASK_BYTES // (24 * max(rows_per_task, 1)))
+        self.b_cap = block_size if block_size is not None else b_mem
+        if rule == "block-greedy":
+            self.m = min(n, max(64, min(n // 32, 4096)))
+        else:
+            self.m = min(n, self.b_cap, 64)
+        self.acceptance = 0.5
+
+    def block_max(self, rank: int) -> int:
+        return max(1, min(self.b_cap, self.capacity - rank))
+
+    def m_max(self, rank: int) -> int:
+        fit = _CANDIDATE_BYTES // (8 * (self.d + rank + 4))
+        return max(1, min(self.n, fit, max(1024, self.n // 8)))
+
+    def count(self, rank: int) -> int:
+        """Candidates to ask for at this rank."""
+        return max(1, min(self.m, self.m_max(rank)))
+
+    def update(self, rank: int, m_used: int, b: int, reason: str) -> None:
+        """Adapt ``m`` after a block of ``b`` pivots chosen from ``m_used`` candidates."""
+        if self.rule == "block-greedy":
+            if reason == "cap":
+                self.m = max(self.m, 2 * b)
+            elif 16 * b >= m_used:
+                self.m = 2 * m_used
+        else:
+            rate = b / max(m_used, 1)
+            self.acceptance = 0.5 * self.acceptance + 0.5 * max(rate, 0.02)
+            want = self.block_max(rank)
+            self.m = max(1, math.ceil(want / self.acceptance))
+        self.m = max(1, min(self.m, self.m_max(rank)))

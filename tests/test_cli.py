@@ -1,0 +1,189 @@
+"""The command line end to end (subprocess), its errors, and an out-of-core fit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dkicf.synthetic import make_ring
+
+
+def dkicf(*args, cwd, timeout=300):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [sys.executable, "-m", "dkicf.cli", *map(str, args)], cwd=cwd, capture_output=True,
+        text=True, timeout=timeout, env=env,
+    )
+
+
+CLUSTER = ("--workers", "2", "--threads", "1", "--memory-limit", "1GiB", "--quiet")
+
+
+@pytest.fixture(scope="module")
+def ring_store(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    X, y = make_ring(3000, random_state=0)
+    np.savez(tmp / "ring.npz", X=X, y=y)
+    proc = dkicf("convert", tmp / "ring.npz", tmp / "ring.zarr", "--dtype", "float64",
+                 "--chunk-rows", "700", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr
+    return tmp
+
+
+def test_convert_fit_predict_info_plot(ring_store):
+    tmp = ring_store
+    fit = dkicf("fit", "ring.zarr", "--clusters", "2", "--gamma", "2^4", "--rank", "50",
+                "--out", "model.zarr", *CLUSTER, cwd=tmp)
+    assert fit.returncode == 0, fit.stderr
+    report = dict(line.split(": ", 1) for line in fit.stdout.splitlines() if ": " in line)
+    assert float(report["accuracy"]) == 1.0
+    assert report["rank"] == "50" and report["n_passes"] == "51"
+
+    import zarr
+
+    group = zarr.open_group(str(tmp / "model.zarr"), mode="r")
+    for name in ("labels", "P", "pivots", "pivot_rows", "cholesky_factor", "cluster_centers",
+                 "trace_errors"):
+        assert name in group, name
+    assert group["labels"].chunks == (700,)
+    assert group["P"].shape == (3000, 50)
+    attrs = dict(group.attrs)
+    assert attrs["kernel"] == {"kernel": "gaussian", "gamma": 16.0}
+    assert attrs["input"]["shape"] == [3000, 2]
+    assert "dkicf" in attrs["versions"]
+    L = group["cholesky_factor"][...]
+    np.testing.assert_array_equal(np.triu(L, 1), 0)
+    np.testing.assert_allclose(group["P"][...][group["pivots"][...]], L)
+
+    pred = dkicf("predict", "model.zarr", "ring.zarr", "--out", "labels.zarr", *CLUSTER,
+                 cwd=tmp)
+    assert pred.returncode == 0, pred.stderr
+    np.testing.assert_array_equal(zarr.open_group(str(tmp / "labels.zarr"))["labels"][...],
+                                  group["labels"][...])
+
+    info = dkicf("info", "ring.zarr", cwd=tmp)
+    assert info.returncode == 0, info.stderr
+    assert "shape: [3000, 2]" in info.stdout and "one task" in info.stdout
+    info = dkicf("info", "model.zarr", cwd=tmp)
+    assert info.returncode == 0 and "model" in info.stdout and "rank: 50" in info.stdout
+
+    plot = dkicf("plot", "model.zarr", "--data", "ring.zarr", "--out-dir", "plots", cwd=tmp)
+    assert plot.returncode == 0, plot.stderr
+    import matplotlib.image
+
+    for name in ("trace_error.png", "cluster_sizes.png", "clusters.png"):
+        image = matplotlib.image.imread(tmp / "plots" / name)
+        assert image.ndim == 3 and image.shape[0] > 100
+
+
+def test_existing_output_is_refused_and_left_intact(ring_store):
+    tmp = ring_store
+    out = tmp / "keep.zarr"
+    out.mkdir()
+    (out / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group",
+                                               "attributes": {"mine": 1}}))
+    before = (out / "zarr.json").read_bytes()
+    proc = dkicf("fit", "ring.zarr", "--clusters", "2", "--out", out, *CLUSTER, cwd=tmp)
+    assert proc.returncode == 2
+    assert "already exists" in proc.stderr and "overwrite" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (out / "zarr.json").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["zarr.json"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("fit", "missing.zarr", "--clusters", "2", "--out", "o.zarr"), "no Zarr store"),
+        (("info", "missing.zarr"), "no Zarr store"),
+        (("fit", "ring.zarr", "--clusters", "0", "--out", "o.zarr"), "expected an integer >= 1"),
+        (("fit", "ring.zarr", "--clusters", "2", "--gamma", "-1", "--out", "o.zarr"),
+         "gamma must be > 0"),
+    ],
+)
+def test_usage_errors_are_one_line_with_status_2(ring_store, args, message):
+    proc = dkicf(*args, cwd=ring_store)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 2
+
+
+def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path):
+    import zarr
+
+    g = zarr.open_group(str(tmp_path / "g.zarr"), mode="w")
+    g.create_group("sub")
+    proc = dkicf("fit", tmp_path / "g.zarr", "--clusters", "2", "--out", tmp_path / "o.zarr",
+                 *CLUSTER, cwd=tmp_path)
+    assert proc.returncode == 2 and "without an array X" in proc.stderr
+    debug = dkicf("--debug", "info", tmp_path / "missing.zarr", cwd=tmp_path)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_labels_of_the_wrong_length_are_refused(tmp_path):
+    np.savez(tmp_path / "bad.npz", X=np.zeros((10, 2)), y=np.zeros(9, dtype=int))
+    proc = dkicf("convert", tmp_path / "bad.npz", tmp_path / "bad.zarr", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "9" in proc.stderr and "10" in proc.stderr
+    assert not (tmp_path / "bad.zarr").exists()
+
+
+def test_memory_limit_too_small_for_a_chunk_is_refused(tmp_path):
+    from dkicf.pipeline import plan_fit
+
+    with pytest.raises(MemoryError, match="--memory-limit"):
+        plan_fit((10**6, 5000), 65536, 8, 1000, worker_memory=64 * 2**20)
+    plan = plan_fit((10**6, 64), 65536, 4, 50, worker_memory=2 * 2**30)
+    assert not plan.rechunked and plan.chunk_rows == 65536
+    plan = plan_fit((10**6, 64), 65536, 4, 50, worker_memory=64 * 2**20)
+    assert plan.rechunked and plan.chunk_rows < 65536
+    assert plan.task_bytes <= 0.5 * 64 * 2**20
+
+
+def test_generate_writes_chunk_by_chunk(tmp_path):
+    proc = dkicf("generate", "spheres", tmp_path / "s.zarr", "--n", "5000", "--features", "5",
+                 "--classes", "3", "--chunk-rows", "1000", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    import zarr
+
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    assert g["X"].shape == (5000, 5) and g["X"].chunks == (1000, 5)
+    assert sorted(np.unique(g["y"][...])) == [0, 1, 2]
+
+
+def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
+    """X is 2.4x the workers' total memory limit; the fit completes and no worker nears it."""
+    from dkicf import io, local_cluster
+    from dkicf.pipeline import fit_store
+
+    n, d = 600_000, 128
+    io.generate("blobs", str(tmp_path / "big.zarr"), n, n_features=d, centers=4,
+                chunk_rows=8192, dtype="float32", random_state=0)
+    data_bytes = n * d * 4
+    limit = 200 * 2**20
+    client = local_cluster(1, 1, memory_limit=limit)
+    try:
+        report = fit_store(
+            str(tmp_path / "big.zarr"), str(tmp_path / "out.zarr"),
+            dict(n_clusters=4, gamma="median", rank=4, random_state=0, n_init=1),
+            client=client, persist="no",
+        )
+
+        def peak_rss():
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+        peaks = client.run(peak_rss)
+    finally:
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+    assert data_bytes > 2 * limit
+    assert report["accuracy"] > 0.99
+    assert max(peaks.values()) < 0.95 * limit, peaks

@@ -1,0 +1,269 @@
+"""Block pivot rules: block-greedy against the sequential greedy rule, RPCholesky's sampling."""
+
+import dask.array as da
+import numpy as np
+import pytest
+
+from dkicf import incomplete_cholesky
+from dkicf.kernels import LinearKernel, make_kernel
+from dkicf.pivoting import (
+    CandidateRequest,
+    Candidates,
+    block_traces,
+    chunk_block_stats,
+    greedy_block,
+    rpcholesky_key,
+)
+
+
+def _grid(k):
+    g = np.arange(float(k))
+    return np.array([(a, b) for a in g for b in g])
+
+
+def _duplicated(rng):
+    base = rng.normal(size=(40, 4)) * 2
+    X = np.vstack([base, base[::-1], base[:20]])
+    return X[rng.permutation(X.shape[0])]
+
+
+DATASETS = {
+    # name: (X builder, kernel parameters, max_rank)
+    "gaussian-random": (lambda rng: rng.normal(size=(500, 3)), {"gamma": 0.7}, 200),
+    # A regular grid: every first pivot ties with all rows, later residuals tie
+    # between mirror-image points (exactly, in floating point too).
+    "gaussian-grid": (lambda rng: _grid(12), {"gamma": 0.3}, 144),
+    # Each row two or three times: exact ties until one copy is a pivot.
+    "duplicated-rows": (_duplicated, {"gamma": 0.5}, 100),
+    # Linear kernel with d < n: rank 6, ends on the numerical-rank rule.
+    "linear-rank-deficient": (lambda rng: rng.normal(size=(300, 6)), {"kernel": "linear"}, 300),
+    "polynomial": (
+        lambda rng: rng.normal(size=(300, 3)),
+        {"kernel": "polynomial", "gamma": 0.5, "degree": 2},
+        300,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_block_greedy_picks_the_sequential_pivots(name, rng):
+    build, params, max_rank = DATASETS[name]
+    X = build(rng)
+    seq = incomplete_cholesky(X, max_rank=max_rank, tol=0, **params)
+    blk = incomplete_cholesky(X, max_rank=max_rank, tol=0, pivoting="block-greedy", **params)
+    np.testing.assert_array_equal(blk.pivots, seq.pivots)
+    assert blk.stop_reason == seq.stop_reason
+    np.testing.assert_allclose(blk.trace_errors, seq.trace_errors, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(blk.P, seq.P, rtol=0, atol=1e-8)
+    np.testing.assert_allclose(blk.residual, seq.residual, rtol=0, atol=1e-10)
+    np.testing.assert_array_equal(np.triu(blk.L, 1), 0)
+    # One pass for the diagonal, then one per block.
+    assert blk.n_passes == 1 + len(blk.info["block_sizes"])
+    assert sum(blk.info["block_sizes"]) == blk.rank
+
+
+def test_block_greedy_needs_far_fewer_passes(rng):
+    X = rng.normal(size=(2000, 4))
+    seq = incomplete_cholesky(X, gamma=0.5, max_rank=200, tol=0)
+    blk = incomplete_cholesky(X, gamma=0.5, max_rank=200, tol=0, pivoting="block-greedy")
+    np.testing.assert_array_equal(blk.pivots, seq.pivots)
+    assert seq.n_passes == 201
+    assert blk.n_passes <= 25
+
+
+def test_tol_met_inside_a_block_stops_where_the_sequential_loop_does(rng):
+    X = rng.normal(size=(600, 3))
+    seq_full = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=0)
+    blk_full = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=0, pivoting="block-greedy")
+    ends = set(np.cumsum(blk_full.info["block_sizes"]).tolist())
+    # A rank strictly inside a block of the untruncated run.
+    k = next(r for r in range(60, 150) if r not in ends and r - 1 not in ends)
+    tol = 0.5 * (seq_full.trace_errors[k - 1] + seq_full.trace_errors[k - 2])
+    seq = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=tol)
+    blk = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=tol, pivoting="block-greedy")
+    assert seq.stop_reason == blk.stop_reason == "tol"
+    assert blk.rank == seq.rank == k
+    np.testing.assert_array_equal(blk.pivots, seq.pivots)
+    np.testing.assert_allclose(blk.trace_errors, seq.trace_errors, rtol=0, atol=1e-10)
+    assert blk.trace_errors[-1] <= tol < blk.trace_errors[-2]
+    # The residual belongs to the truncated factor, not to the whole block.
+    np.testing.assert_allclose(blk.residual, seq.residual, rtol=0, atol=1e-10)
+    assert blk.P.shape == (600, k)
+
+
+def test_max_rank_is_exact_and_progress_is_per_block(rng):
+    X = rng.normal(size=(400, 3))
+    seen = []
+    res = incomplete_cholesky(X, gamma=0.5, max_rank=77, tol=0, pivoting="block-greedy",
+                              block_size=16, progress=seen.append)
+    assert res.rank == 77 and res.stop_reason == "max_rank"
+    assert max(res.info["block_sizes"]) <= 16
+    ranks = [p.rank for p in seen]
+    assert ranks == np.cumsum(res.info["block_sizes"]).tolist()
+    assert [p.n_passes for p in seen] == list(range(2, res.n_passes + 1))
+
+
+def test_block_delta_trades_exactness_for_passes(rng):
+    X = rng.normal(size=(800, 3))
+    exact = incomplete_cholesky(X, gamma=0.5, max_rank=150, tol=0, pivoting="block-greedy")
+    loose = incomplete_cholesky(X, gamma=0.5, max_rank=150, tol=0, pivoting="block-greedy",
+                                block_delta=0.5)
+    assert loose.n_passes <= exact.n_passes
+    assert np.all(np.diff(loose.trace_errors) <= 1e-12)
+    assert loose.trace_errors[-1] <= 1.5 * exact.trace_errors[-1]
+
+
+@pytest.mark.parametrize("pivoting", ["greedy", "block-greedy", "rpcholesky"])
+def test_full_rank_reproduces_the_kernel_matrix(pivoting, rng):
+    X = rng.normal(size=(60, 3))
+    K = make_kernel("gaussian", gamma=0.8).block(X, X)
+    res = incomplete_cholesky(X, gamma=0.8, max_rank=60, tol=0, pivoting=pivoting)
+    np.testing.assert_allclose(res.P @ res.P.T, K, atol=1e-8)
+    np.testing.assert_allclose(res.residual, np.diag(K - res.P @ res.P.T), atol=1e-10)
+    assert np.all(np.diff(res.trace_errors) <= 1e-12)
+
+
+# ----------------------------------------------------------------------- small driver step
+
+
+def _orthogonal_candidates(values, index, bound):
+    """Candidates whose Schur complement is diagonal (orthogonal rows, linear kernel)."""
+    m = len(values)
+    rows = np.eye(m) * np.sqrt(np.asarray(values, dtype=float))[:, None]
+    return Candidates(
+        index=np.array(index), values=np.array(values, dtype=float), rows=rows,
+        aux=None, U=np.zeros((m, 0)), bound=bound,
+    )
+
+
+def test_a_candidate_tied_with_the_bound_ends_the_block():
+    # After the first pivot the next candidate's residual (2) equals the
+    # largest residual outside the candidates: a row outside could be the
+    # sequential rule's choice, so the block stops.
+    cand = _orthogonal_candidates([3.0, 2.0], [5, 9], bound=2.0)
+    choice = greedy_block(LinearKernel(), cand, b_max=10, rank_tol=0.0, margin=1e-12)
+    assert choice.order.tolist() == [0] and choice.reason == "bound"
+    cand = _orthogonal_candidates([3.0, 2.0, 1.0], [5, 9, 2], bound=1.5)
+    choice = greedy_block(LinearKernel(), cand, b_max=10, rank_tol=0.0, margin=1e-12)
+    assert choice.order.tolist() == [0, 1] and choice.reason == "bound"
+    np.testing.assert_allclose(choice.L, np.diag(np.sqrt([3.0, 2.0])))
+
+
+def test_exact_ties_among_candidates_go_to_the_lowest_row_index():
+    cand = _orthogonal_candidates([3.0, 2.0, 2.0], [7, 9, 4], bound=1.0)
+    choice = greedy_block(LinearKernel(), cand, b_max=10, rank_tol=0.0, margin=1e-12)
+    assert choice.order.tolist() == [0, 2, 1]
+    # A near tie (within the rounding margin, not equal) is left to the next pass.
+    cand = _orthogonal_candidates([3.0, 2.0, 2.0 - 1e-14], [7, 9, 4], bound=1.0)
+    choice = greedy_block(LinearKernel(), cand, b_max=10, rank_tol=0.0, margin=1e-12)
+    assert choice.order.tolist() == [0] and choice.reason == "ambiguous"
+
+
+def test_block_traces_add_back_the_later_columns():
+    np.testing.assert_allclose(block_traces(1.0, np.array([4.0, 2.0, 0.5])), [3.5, 1.5, 1.0])
+
+
+# ----------------------------------------------------------------------- RPCholesky
+
+
+class _State:
+    def __init__(self, e, P=None):
+        self.e = np.asarray(e, dtype=float)
+        self.P = np.zeros((self.e.shape[0], 0)) if P is None else P
+
+
+def _race(e, chunks, count, draw=0, key=None):
+    key = rpcholesky_key(3) if key is None else key
+    req = CandidateRequest("race", count, key, draw)
+    parts, lo = [], 0
+    for c in chunks:
+        parts.append(chunk_block_stats(None, _State(e[lo : lo + c]), lo, 0, 0, req))
+        lo += c
+    t = np.concatenate([p["key"] for p in parts])
+    g = np.concatenate([p["index"] for p in parts])
+    order = np.lexsort((g, t))[:count]
+    return t[order], g[order]
+
+
+def test_race_draws_do_not_depend_on_the_chunking():
+    e = np.random.default_rng(0).uniform(0, 1, size=1000) ** 4
+    e[::7] = 0.0
+    t1, g1 = _race(e, [1000], 300)
+    t2, g2 = _race(e, [3, 500, 1, 496], 300)
+    np.testing.assert_array_equal(g1, g2)
+    np.testing.assert_array_equal(t1, t2)
+    assert not np.isin(g1, np.flatnonzero(e == 0)).any()
+    # A dominant row is drawn many times (draws are with replacement).
+    e2 = np.full(50, 1e-3)
+    e2[17] = 10.0
+    _, g = _race(e2, [20, 30], 100)
+    assert np.sum(g == 17) > 80
+
+
+def test_race_draws_are_proportional_to_the_residual():
+    e = np.array([1.0, 2.0, 3.0, 4.0])
+    counts = np.zeros(4)
+    for draw in range(40):
+        _, g = _race(e, [2, 2], 500, draw=draw)
+        counts += np.bincount(g, minlength=4)
+    np.testing.assert_allclose(counts / counts.sum(), e / e.sum(), atol=0.015)
+
+
+def test_rpcholesky_is_reproducible_and_seeded(rng):
+    X = rng.normal(size=(500, 3))
+    a = incomplete_cholesky(X, gamma=0.5, max_rank=60, tol=0, pivoting="rpcholesky",
+                            random_state=7)
+    b = incomplete_cholesky(X, gamma=0.5, max_rank=60, tol=0, pivoting="rpcholesky",
+                            random_state=7)
+    c = incomplete_cholesky(X, gamma=0.5, max_rank=60, tol=0, pivoting="rpcholesky",
+                            random_state=8)
+    np.testing.assert_array_equal(a.pivots, b.pivots)
+    assert not np.array_equal(a.pivots, c.pivots)
+    assert a.rank == 60 and a.n_passes < 20
+    assert len(set(a.pivots.tolist())) == 60
+
+
+# ----------------------------------------------------------------------- dask
+
+
+def test_block_greedy_on_dask_with_uneven_chunks(client, rng):
+    X = rng.normal(size=(800, 4))
+    seq = incomplete_cholesky(X, gamma=0.4, max_rank=80, tol=0)
+    Xd = da.from_array(X, chunks=((100, 133, 17, 550), (4,)))
+    res = incomplete_cholesky(Xd, gamma=0.4, max_rank=80, tol=0, client=client,
+                              pivoting="block-greedy", persist=False)
+    np.testing.assert_array_equal(res.pivots, seq.pivots)
+    np.testing.assert_allclose(res.trace_errors, seq.trace_errors, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(res.P.compute(), seq.P, rtol=0, atol=1e-8)
+    assert res.n_passes == 1 + len(res.info["block_sizes"]) < 20
+
+
+def test_rpcholesky_does_not_depend_on_chunking_or_backend(client, rng):
+    X = rng.normal(size=(900, 3))
+    kw = {"gamma": 0.5, "max_rank": 80, "tol": 0, "pivoting": "rpcholesky", "random_state": 11}
+    ref = incomplete_cholesky(X, **kw)
+    for chunks in [(300, 3), ((50, 700, 150), (3,))]:
+        res = incomplete_cholesky(da.from_array(X, chunks=chunks), client=client, **kw)
+        np.testing.assert_array_equal(res.pivots, ref.pivots)
+        np.testing.assert_allclose(res.trace_errors, ref.trace_errors, rtol=0, atol=1e-10)
+
+
+# ----------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"pivoting": "random"}, ValueError,
+         "pivoting must be one of 'greedy', 'block-greedy', 'rpcholesky', got 'random'"),
+        ({"block_size": 8}, ValueError, "block_size=8 has no effect with pivoting='greedy'"),
+        ({"pivoting": "block-greedy", "block_size": 0}, ValueError, "block_size must be >= 1"),
+        ({"pivoting": "block-greedy", "block_size": 2.5}, TypeError, "block_size must be an int"),
+        ({"pivoting": "block-greedy", "block_delta": 1.0}, ValueError, r"in \[0, 1\)"),
+        ({"pivoting": "rpcholesky", "block_delta": 0.1}, ValueError,
+         "applies to pivoting='block-greedy' only"),
+    ],
+)
+def test_bad_pivoting_parameters_are_refused(kwargs, error, match, rng):
+    with pytest.raises(error, match=match):
+        incomplete_cholesky(rng.normal(size=(10, 2)), gamma=1.0, **kwargs)
