@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     _add_cluster(p)
 
+    from . import bench
+
+    bench.add_parser(sub)
     return parser
 
 
@@ -484,7 +487,14 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.run_cli(args)
+
+
 _COMMANDS = {
+    "bench": _cmd_bench,
     "convert": _cmd_convert,
     "generate": _cmd_generate,
     "fit": _cmd_fit,

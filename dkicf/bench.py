@@ -1,0 +1,1137 @@
+"""Reproduce the paper's experiments: every method on the paper's grid, tables and figures.
+
+:func:`run_paper` runs ICF kernel k-means (:class:`dkicf.KernelKMeans`) and the
+paper's baselines (:mod:`dkicf.baselines`) over datasets x subset sizes x
+repeats, and writes to ``out_dir``:
+
+* ``results.csv``: one row per fit (accuracy, NMI, wall time), written as the
+  run goes, so a long run can be followed and a partial one is not lost;
+* ``results.md``: the run's settings, then per dataset a table of mean ± std
+  of accuracy and NMI and the median time per method and subset size, the ICF
+  trace errors and the synthetic results;
+* ``trace_error.csv``: ``tr(K - P P^T)`` against the rank on the trace
+  datasets;
+* PNG figures mirroring the paper's: ``trace_error.png``, ``synthetic.png``,
+  ``accuracy.png``, ``time.png`` and ``time_small.png``.
+
+How the methods are timed
+-------------------------
+The factorization of ICF is deterministic: its pivots and ``P`` depend on the
+data, the kernel and ``s`` only.  It is therefore computed once per dataset,
+up to the largest subset size, and the factor of rank ``s`` is the first ``s``
+columns of that one (greedy pivoting picks the same first ``s`` pivots
+whatever the final rank).  The ICF time of a repeat at size ``s`` is the
+factorization's wall time until its ``s``-th pivot, measured once, plus that
+repeat's own k-means time.  The k-means step is the one
+``KernelKMeans(rank=s, tol=1e-3, algorithm="lloyd", random_state=seed)``
+runs, with the same derived seed, so a repeat's labels are those of that
+estimator's ``fit``.  Every baseline is timed as one call to its ``fit``
+(kernel matrix, factorization or features included).
+
+The CLI entry is ``dkicf bench paper``; :func:`add_parser` and :func:`run_cli`
+plug it into :mod:`dkicf.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .baselines import (
+    ApproxKernelKMeans,
+    ExactKernelKMeans,
+    KernelCholKMeans,
+    NystromKernelKMeans,
+    RFFKernelKMeans,
+)
+from .datasets import DATASETS, PAPER_GAMMA, PAPER_SUBSET_SIZE, load_dataset
+from .estimator import KernelKMeans
+from .icf import ICFResult, incomplete_cholesky
+from .kmeans import kmeans
+from .metrics import clustering_accuracy, nmi
+from .synthetic import make_parabolic, make_ring, make_zigzag
+
+__all__ = [
+    "METHODS",
+    "SYNTHETIC",
+    "DEFAULT_DATASETS",
+    "DEFAULT_SIZES",
+    "known_datasets",
+    "run_paper",
+    "add_parser",
+    "run_cli",
+]
+
+#: Method keys in the order of the tables; ``"kernel"`` and ``"kernel+chol"``
+#: use the full kernel matrix and have no subset size.
+METHODS: tuple[str, ...] = ("icf", "kernel", "kernel+chol", "approx", "rff", "nystrom")
+
+METHOD_LABELS: dict[str, str] = {
+    "icf": "ICF",
+    "kernel": "Kernel",
+    "kernel+chol": "Kernel+Chol",
+    "approx": "Approx",
+    "rff": "RFF",
+    "nystrom": "Nyström",
+}
+
+_FULL_METHODS = ("kernel", "kernel+chol")
+_ALIASES = {"nyström": "nystrom", "exact": "kernel", "chol": "kernel+chol"}
+_STYLE = {
+    "icf": ("tab:red", "o"),
+    "kernel": ("black", None),
+    "kernel+chol": ("tab:gray", None),
+    "approx": ("tab:green", "s"),
+    "rff": ("tab:purple", "^"),
+    "nystrom": ("tab:blue", "D"),
+}
+
+#: The paper's 2-D sets: generator and Gaussian width (2 clusters x 500 points, s = 50).
+SYNTHETIC: dict[str, tuple[Callable, float]] = {
+    "ring": (make_ring, 2.0**4),
+    "parabolic": (make_parabolic, 2.0**1),
+    "zigzag": (make_zigzag, 2.0**3),
+}
+_SYNTHETIC_N = 1000
+_SYNTHETIC_RANK = 50
+
+#: The real datasets the paper clusters, and its grid of subset sizes.
+DEFAULT_DATASETS: tuple[str, ...] = ("pendigits", "satimage", "shuttle", "mnist")
+DEFAULT_SIZES: tuple[int, ...] = (25, 50, 100, 200, 500, 1000)
+DEFAULT_TRACE_DATASETS: tuple[str, ...] = ("usps", "mnist")
+
+PAPER_TOL = 1e-3  # the paper's epsilon for the ICF trace error
+PAPER_MAX_ITER = 1000  # the paper's cap on k-means and kernel k-means iterations
+
+_DISPLAY = {
+    "pendigits": "PenDigits",
+    "satimage": "Satimage",
+    "shuttle": "Shuttle",
+    "mnist": "MNIST",
+    "usps": "USPS",
+    "ring": "Ring",
+    "parabolic": "Parabolic",
+    "zigzag": "Zigzag",
+}
+
+_CSV_FIELDS = (
+    "experiment", "dataset", "n", "n_features", "n_clusters", "gamma", "method", "size",
+    "rank", "repeat", "seed", "acc", "nmi", "time_s", "factor_time_s", "kmeans_time_s",
+    "n_iter", "note",
+)
+_TRACE_MARKS = (10, 25, 50, 100, 200, 300, 500, 700, 1000, 2000)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def known_datasets() -> tuple[str, ...]:
+    """Names :func:`run_paper` accepts: the paper's real datasets and its 2-D sets."""
+    return DATASETS + tuple(SYNTHETIC)
+
+
+@dataclass
+class _Data:
+    token: str
+    name: str
+    X: np.ndarray
+    y: np.ndarray
+    gamma: float
+    note: str = ""
+
+    @property
+    def n(self) -> int:
+        return int(self.X.shape[0])
+
+    @property
+    def n_clusters(self) -> int:
+        return int(np.unique(self.y).size)
+
+    @property
+    def label(self) -> str:
+        return self.token.replace(self.name, _DISPLAY.get(self.name, self.name), 1)
+
+
+def _parse_token(token) -> tuple[str, int | None]:
+    """``"name"`` or ``"name:n"`` (a seeded subsample of n rows, or n synthetic points)."""
+    if not isinstance(token, str):
+        raise TypeError(f"a dataset must be given by name, got {token!r}.")
+    name, _, count = token.strip().lower().partition(":")
+    if name not in known_datasets():
+        raise ValueError(
+            f"Unknown dataset {token!r}. Known datasets are: {', '.join(known_datasets())} "
+            "(append ':n' for a seeded subsample of n rows, e.g. 'mnist:20000')."
+        )
+    if not count:
+        return name, None
+    try:
+        rows = int(count)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"in dataset {token!r}, the part after ':' must be a row count >= 1.")
+    return name, rows
+
+
+def _load(token: str, data_home, seed: int) -> _Data:
+    name, rows = _parse_token(token)
+    if name in SYNTHETIC:
+        make, gamma = SYNTHETIC[name]
+        X, y = make(rows or _SYNTHETIC_N, random_state=seed)
+        return _Data(token, name, X, y, gamma, note=f"generated, random_state={seed}")
+    X, y = load_dataset(name, data_home=data_home)
+    note = "all rows"
+    if rows is not None:
+        if rows > X.shape[0]:
+            raise ValueError(
+                f"dataset {token!r} asks for {rows} rows but {name} has n={X.shape[0]}; "
+                f"use at most {X.shape[0]}."
+            )
+        if rows < X.shape[0]:
+            pick = np.random.default_rng(seed).choice(X.shape[0], size=rows, replace=False)
+            pick.sort()
+            X, y = X[pick], y[pick]
+            note = f"seeded subsample of {rows} rows (seed {seed})"
+    return _Data(token, name, X, y, PAPER_GAMMA[name], note=note)
+
+
+def _check_methods(methods) -> tuple[str, ...]:
+    if methods is None:
+        return METHODS
+    if isinstance(methods, str):
+        methods = [methods]
+    out = []
+    for m in methods:
+        key = _ALIASES.get(str(m).lower(), str(m).lower())
+        if key not in METHODS:
+            raise ValueError(f"Unknown method {m!r}. Known methods are: {', '.join(METHODS)}.")
+        if key not in out:
+            out.append(key)
+    if not out:
+        raise ValueError(f"methods is empty; pick some of: {', '.join(METHODS)}.")
+    return tuple(k for k in METHODS if k in out)
+
+
+def _check_positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
+def _check_sizes(sizes) -> tuple[int, ...]:
+    if isinstance(sizes, (int, np.integer)):
+        sizes = [sizes]
+    sizes = [_check_positive(s, "every subset size") for s in sizes]
+    if not sizes:
+        raise ValueError("sizes is empty; give at least one subset size, e.g. [25, 50, 100].")
+    return tuple(sorted(set(sizes)))
+
+
+def _check_repeat_map(mapping, name: str, valid: Iterable[str]) -> dict[str, int]:
+    valid = tuple(valid)
+    out = {}
+    for key, value in (mapping or {}).items():
+        k = _ALIASES.get(str(key).lower(), str(key).lower())
+        if k not in valid:
+            raise ValueError(f"{name}: unknown key {key!r}; valid keys: {', '.join(valid)}.")
+        out[k] = _check_positive(value, f"{name}[{key!r}]")
+    return out
+
+
+def _repeat_seed(seed: int, repeat: int) -> int:
+    return int(np.random.SeedSequence([seed, repeat]).generate_state(1)[0] >> 1)
+
+
+def _format_gamma(gamma: float) -> str:
+    e = math.log2(gamma)
+    return f"2^{int(e)}" if e == int(e) else f"{gamma:g}"
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclass
+class _Factor:
+    """One ICF run to the largest rank needed, with the wall time at every rank."""
+
+    result: ICFResult
+    elapsed: np.ndarray  # elapsed[r - 1]: seconds until the r-th pivot
+    P: np.ndarray = field(repr=False)
+    note: str = ""  # warnings raised by the factorization
+
+    def time_at(self, s: int) -> float:
+        r = min(s, self.result.rank)
+        if r == self.result.rank:
+            return float(self.result.elapsed)
+        return float(self.elapsed[r - 1])
+
+
+@dataclass
+class _Trace:
+    """The trace-error curve of one factorization (without its P)."""
+
+    initial_trace: float
+    trace_errors: np.ndarray
+
+    @property
+    def rank(self) -> int:
+        return int(self.trace_errors.size)
+
+
+def _factorize(data: _Data, max_rank: int, report: Callable[[int, int], None]) -> _Factor:
+    times: dict[int, float] = {}
+
+    def progress(info):
+        times[info.rank] = info.elapsed
+        report(info.rank, info.max_rank)
+
+    # gamma is a number, so the factorization uses no randomness (its seed only
+    # draws the median heuristic's sample): greedy pivots depend on the data alone.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = incomplete_cholesky(
+            data.X, kernel="gaussian", gamma=data.gamma, max_rank=max_rank, tol=PAPER_TOL,
+            random_state=0, progress=progress,
+        )
+    ranks = np.arange(1, res.rank + 1)
+    known = np.array([times.get(r, np.nan) for r in ranks])
+    # A pass that reports several pivots at once: later ranks share its time.
+    elapsed = np.fmin.accumulate(known[::-1])[::-1] if known.size else known
+    elapsed = np.where(np.isnan(elapsed), res.elapsed, elapsed)
+    return _Factor(res, elapsed, np.asarray(res.P), note=_note(caught))
+
+
+def _icf_fit(data: _Data, factor: _Factor, s: int, seed: int, n_init: int, max_iter: int):
+    """The k-means step of ``KernelKMeans(rank=s, ...)`` on the first s columns of the factor."""
+    est = KernelKMeans(
+        n_clusters=data.n_clusters, gamma=data.gamma, rank=s, tol=PAPER_TOL,
+        algorithm="lloyd", n_init=n_init, max_iter=max_iter, random_state=seed,
+    )
+    _, km_seed = est._seeds()
+    rank = min(s, factor.result.rank)
+    t0 = time.perf_counter()
+    km = kmeans(
+        factor.P[:, :rank], est.n_clusters, algorithm=est.algorithm, batch_size=est.batch_size,
+        n_init=est.n_init, max_iter=est.max_iter, tol=est.kmeans_tol, random_state=km_seed,
+    )
+    km_time = time.perf_counter() - t0
+    labels = np.asarray(km.labels)
+    return labels, km_time, rank, int(km.n_iter)
+
+
+def _baseline(method: str, data: _Data, s: int | None, seed: int, n_init: int, max_iter: int):
+    common = dict(n_clusters=data.n_clusters, gamma=data.gamma, max_iter=max_iter,
+                  n_init=n_init, random_state=seed)
+    if method == "kernel":
+        return ExactKernelKMeans(**common)
+    if method == "kernel+chol":
+        return KernelCholKMeans(**common)
+    cls = {"approx": ApproxKernelKMeans, "rff": RFFKernelKMeans, "nystrom": NystromKernelKMeans}
+    return cls[method](n_components=s, **common)
+
+
+def _note(caught) -> str:
+    seen = []
+    for w in caught:
+        text = f"{w.category.__name__}: {str(w.message).splitlines()[0][:120]}"
+        if text not in seen:
+            seen.append(text)
+    return " | ".join(seen)
+
+
+class _Recorder:
+    """Rows in memory and in results.csv, flushed row by row."""
+
+    def __init__(self, path: Path):
+        self.rows: list[dict] = []
+        self._file = open(path, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._writer = csv.DictWriter(self._file, fieldnames=_CSV_FIELDS)
+        self._writer.writeheader()
+        self._file.flush()
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self._writer.writerow({k: _csv_value(row.get(k)) for k in _CSV_FIELDS})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _csv_value(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+class _Progress:
+    """A tqdm bar on stderr (or nothing) counting fits and factorizations."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True,
+                             desc="bench paper")
+
+    def where(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=True)
+
+    def step(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _icf_reporter(progress: _Progress, label: str) -> Callable[[int, int], None]:
+    def report(rank: int, max_rank: int) -> None:
+        if rank == 1 or rank % 25 == 0 or rank == max_rank:
+            progress.where(f"{label}: ICF rank {rank}/{max_rank}")
+
+    return report
+
+
+def _score(row: dict, y: np.ndarray, labels: np.ndarray) -> dict:
+    row["acc"] = clustering_accuracy(y, labels)
+    row["nmi"] = nmi(y, labels)
+    return row
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_paper(
+    datasets: Sequence[str] = DEFAULT_DATASETS,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 10,
+    out_dir: str | os.PathLike = "docs/results",
+    *,
+    data_home: str | os.PathLike | None = None,
+    methods: Sequence[str] | None = None,
+    progress: bool = True,
+    max_exact_n: int = 12000,
+    seed: int = 0,
+    trace_datasets: Sequence[str] | None = DEFAULT_TRACE_DATASETS,
+    trace_rank: int = 1000,
+    synthetic: bool = True,
+    n_init: int = 1,
+    max_iter: int = PAPER_MAX_ITER,
+    dataset_repeats: Mapping[str, int] | None = None,
+    method_repeats: Mapping[str, int] | None = None,
+) -> list[dict]:
+    """Run every method over the paper's grid and write the tables and figures.
+
+    Parameters
+    ----------
+    datasets : sequence of str
+        Names from :func:`known_datasets` (case-insensitive): the paper's real
+        datasets (loaded with :func:`dkicf.datasets.load_dataset`, scaled as
+        the paper's kernel widths assume) and its 2-D sets ``"ring"``,
+        ``"parabolic"``, ``"zigzag"`` (1,000 points).  ``"name:n"`` takes a
+        seeded random subsample of ``n`` rows (``n`` points for a 2-D set).
+        The Gaussian width is the paper's for each dataset.
+    sizes : sequence of int
+        Subset sizes ``s``: the rank of ICF, the subset of Approx and
+        Nyström, the number of Fourier features of RFF.  A size larger than a
+        dataset's ``n`` is refused before anything runs.
+    repeats : int
+        Runs per (dataset, method, size), with seeds derived from ``seed``.
+    out_dir : str or path
+        Folder for the outputs (created if needed; files in it are replaced).
+    data_home : str or path, optional
+        Folder holding the ``<name>.npz`` files (see :func:`load_dataset`).
+    methods : sequence of str, optional
+        Subset of :data:`METHODS`; default all.  ``"kernel"`` and
+        ``"kernel+chol"`` run only on datasets with ``n <= max_exact_n``.
+    progress : bool, default=True
+        Show a tqdm progress bar on stderr.
+    max_exact_n : int, default=12000
+        Largest ``n`` on which the full-kernel methods run (the paper ran them
+        on PenDigits and Satimage only).
+    seed : int, default=0
+        Root of every random choice: repeat ``r`` uses a seed derived from
+        ``(seed, r)``, the same for every method; subsamples and the 2-D sets
+        use ``seed`` itself.
+    trace_datasets : sequence of str, optional
+        Datasets for the trace-error figure (the paper: USPS at ``2^-10`` and
+        MNIST at ``2^-6``); ``None`` or empty for no trace figure.
+    trace_rank : int, default=1000
+        Largest rank of the trace-error curves.
+    synthetic : bool, default=True
+        Cluster Ring, Parabolic and Zigzag with ICF at ``s = 50`` over the
+        repeats and draw them with the pivots marked.
+    n_init : int, default=1
+        k-means (and kernel k-means) restarts inside every fit, the same for
+        all methods.
+    max_iter : int, default=1000
+        Iteration cap of every k-means and kernel k-means (the paper's 1000).
+    dataset_repeats : mapping of str to int, optional
+        Repeats for some datasets instead of ``repeats`` (e.g. ``{"mnist": 5}``).
+    method_repeats : mapping of str to int, optional
+        A cap on the repeats of some methods (e.g. ``{"kernel+chol": 3}``).
+
+    Returns
+    -------
+    list of dict
+        The rows of ``results.csv``: ``experiment`` (``"grid"`` or
+        ``"synthetic"``), ``dataset``, ``n``, ``n_features``, ``n_clusters``,
+        ``gamma``, ``method``, ``size`` (None for the full-kernel methods),
+        ``rank`` (ICF's rank reached), ``repeat``, ``seed``, ``acc``, ``nmi``,
+        ``time_s`` (wall seconds of the fit; for ICF factorization up to ``s``
+        plus k-means), ``factor_time_s`` and ``kmeans_time_s`` (ICF's two
+        parts), ``n_iter`` and ``note`` (warnings raised by the fit).
+
+    Raises
+    ------
+    ValueError
+        For an unknown dataset or method (the message lists the known ones), a
+        size larger than a dataset's ``n`` (the message gives both), or a
+        non-positive count.
+
+    Examples
+    --------
+    >>> from dkicf.bench import run_paper
+    >>> rows = run_paper(["ring:200"], [10, 20], 2, "bench-out", methods=["icf", "nystrom"],
+    ...                  trace_datasets=["ring"], trace_rank=30, progress=False)  # doctest: +SKIP
+    >>> sorted({r["method"] for r in rows})  # doctest: +SKIP
+    ['icf', 'nystrom']
+    """
+    started = time.perf_counter()
+    if isinstance(datasets, str):
+        datasets = [datasets]
+    datasets = list(dict.fromkeys(datasets))
+    trace_datasets = [] if trace_datasets is None else (
+        [trace_datasets] if isinstance(trace_datasets, str) else list(trace_datasets))
+    for token in datasets + trace_datasets:
+        _parse_token(token)
+    sizes = _check_sizes(sizes)
+    repeats = _check_positive(repeats, "repeats")
+    methods = _check_methods(methods)
+    max_exact_n = _check_positive(max_exact_n, "max_exact_n")
+    trace_rank = _check_positive(trace_rank, "trace_rank")
+    n_init = _check_positive(n_init, "n_init")
+    max_iter = _check_positive(max_iter, "max_iter")
+    d_repeats = _check_repeat_map(dataset_repeats, "dataset_repeats", known_datasets())
+    m_repeats = _check_repeat_map(method_repeats, "method_repeats", METHODS)
+    sized = [m for m in methods if m not in _FULL_METHODS]
+
+    loaded: dict[str, _Data] = {}
+    for token in dict.fromkeys(datasets + trace_datasets):
+        loaded[token] = _load(token, data_home, seed)
+    for token in datasets:
+        data = loaded[token]
+        if sized and sizes[-1] > data.n:
+            raise ValueError(
+                f"subset size s={sizes[-1]} is larger than n={data.n}, the number of rows of "
+                f"dataset {token!r}; use sizes <= {data.n}."
+            )
+
+    def n_repeats(data: _Data, method: str) -> int:
+        r = d_repeats.get(data.name, repeats)
+        return min(r, m_repeats[method]) if method in m_repeats else r
+
+    def exact_ok(data: _Data) -> bool:
+        return data.n <= max_exact_n
+
+    # Ranks to factorize per dataset: the grid's largest size and the trace curve.
+    need: dict[str, int] = {}
+    if "icf" in methods:
+        for token in datasets:
+            need[token] = min(sizes[-1], loaded[token].n)
+    for token in trace_datasets:
+        need[token] = max(need.get(token, 0), min(trace_rank, loaded[token].n))
+
+    total = len(need)
+    if synthetic:
+        total += len(SYNTHETIC) * (1 + repeats)
+    for token in datasets:
+        data = loaded[token]
+        for m in methods:
+            if m in _FULL_METHODS:
+                total += n_repeats(data, m) if exact_ok(data) else 0
+            else:
+                total += n_repeats(data, m) * len(sizes)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bar = _Progress(total, progress)
+    recorder = _Recorder(out / "results.csv")
+    factors: dict[str, _Factor] = {}
+    traces: dict[str, _Trace] = {}
+    synthetic_fits: dict[str, tuple[_Data, _Factor, np.ndarray]] = {}
+    try:
+        if synthetic:
+            for name in SYNTHETIC:
+                data = _load(name, None, seed)
+                bar.where(f"{data.label}: ICF")
+                factor = _factorize(data, _SYNTHETIC_RANK, _icf_reporter(bar, data.label))
+                bar.step()
+                for r in range(repeats):
+                    rseed = _repeat_seed(seed, r)
+                    bar.where(f"{data.label} ICF s={_SYNTHETIC_RANK} repeat {r + 1}/{repeats}")
+                    labels = _record_icf(recorder, "synthetic", data, factor, _SYNTHETIC_RANK,
+                                         r, rseed, n_init, max_iter)
+                    if r == 0:
+                        synthetic_fits[name] = (data, factor, labels)
+                    bar.step()
+        for token in dict.fromkeys(datasets + trace_datasets):
+            if token in need:
+                data = loaded[token]
+                bar.where(f"{data.label}: ICF to rank {need[token]}")
+                factors[token] = _factorize(data, need[token], _icf_reporter(bar, data.label))
+                if token in trace_datasets:
+                    res = factors[token].result
+                    traces[token] = _Trace(res.initial_trace, res.trace_errors.copy())
+                bar.step()
+            if token not in datasets:
+                continue
+            data = loaded[token]
+            factor = factors.get(token)
+            top = max(n_repeats(data, m) for m in methods)
+            for r in range(top):
+                rseed = _repeat_seed(seed, r)
+                for m in methods:
+                    if r >= n_repeats(data, m):
+                        continue
+                    if m in _FULL_METHODS:
+                        if not exact_ok(data):
+                            continue
+                        bar.where(f"{data.label} {METHOD_LABELS[m]} repeat {r + 1}")
+                        _record_baseline(recorder, data, m, None, r, rseed, n_init, max_iter)
+                        bar.step()
+                for s in sizes:
+                    for m in sized:
+                        if r >= n_repeats(data, m):
+                            continue
+                        bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
+                        if m == "icf":
+                            _record_icf(recorder, "grid", data, factor, s, r, rseed,
+                                        n_init, max_iter)
+                        else:
+                            _record_baseline(recorder, data, m, s, r, rseed, n_init, max_iter)
+                        bar.step()
+            factors.pop(token, None)  # frees P; the trace curve was kept apart
+    finally:
+        recorder.close()
+        bar.close()
+
+    rows = recorder.rows
+    _write_trace_csv(out / "trace_error.csv", traces, loaded)
+    settings = {
+        "datasets": [loaded[t] for t in datasets],
+        "sizes": sizes,
+        "repeats": repeats,
+        "dataset_repeats": d_repeats,
+        "method_repeats": m_repeats,
+        "methods": methods,
+        "max_exact_n": max_exact_n,
+        "seed": seed,
+        "n_init": n_init,
+        "max_iter": max_iter,
+        "trace": {t: loaded[t] for t in traces},
+        "trace_rank": trace_rank,
+        "synthetic": synthetic,
+        "elapsed": time.perf_counter() - started,
+    }
+    _write_markdown(out / "results.md", rows, traces, settings)
+    _figures(out, rows, traces, loaded, datasets, synthetic_fits)
+    return rows
+
+
+def _base_row(experiment: str, data: _Data, method: str, s, r: int, rseed: int) -> dict:
+    return {
+        "experiment": experiment,
+        "dataset": data.token,
+        "n": data.n,
+        "n_features": int(data.X.shape[1]),
+        "n_clusters": data.n_clusters,
+        "gamma": data.gamma,
+        "method": method,
+        "size": s,
+        "rank": None,
+        "repeat": r,
+        "seed": rseed,
+    }
+
+
+def _record_icf(recorder, experiment, data, factor, s, r, rseed, n_init, max_iter) -> np.ndarray:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        labels, km_time, rank, n_iter = _icf_fit(data, factor, s, rseed, n_init, max_iter)
+    factor_time = factor.time_at(s)
+    row = _base_row(experiment, data, "icf", s, r, rseed)
+    row.update(rank=rank, time_s=factor_time + km_time, factor_time_s=factor_time,
+               kmeans_time_s=km_time, n_iter=n_iter,
+               note=" | ".join(filter(None, [factor.note, _note(caught)])))
+    recorder.add(_score(row, data.y, labels))
+    return labels
+
+
+def _record_baseline(recorder, data, method, s, r, rseed, n_init, max_iter) -> None:
+    est = _baseline(method, data, s, rseed, n_init, max_iter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        est.fit(data.X)
+        elapsed = time.perf_counter() - t0
+    row = _base_row("grid", data, method, s, r, rseed)
+    row.update(rank=getattr(est, "rank_", None), time_s=elapsed,
+               n_iter=int(getattr(est, "n_iter_", 0)), note=_note(caught))
+    recorder.add(_score(row, data.y, est.labels_))
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def _groups(rows: list[dict], experiment: str = "grid") -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["experiment"] == experiment:
+            out.setdefault((row["dataset"], row["method"], row["size"]), []).append(row)
+    return out
+
+
+def _stats(values) -> tuple[float, float]:
+    v = np.asarray(values, dtype=float)
+    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
+
+
+def _summary(rows: list[dict], experiment: str = "grid") -> dict[tuple, dict]:
+    out = {}
+    for key, group in _groups(rows, experiment).items():
+        acc, acc_sd = _stats([g["acc"] for g in group])
+        nm, nm_sd = _stats([g["nmi"] for g in group])
+        out[key] = {
+            "runs": len(group),
+            "acc": acc, "acc_sd": acc_sd, "nmi": nm, "nmi_sd": nm_sd,
+            "time": float(np.median([g["time_s"] for g in group])),
+            "factor_time": group[0].get("factor_time_s"),
+            "rank": group[0].get("rank"),
+        }
+    return out
+
+
+def _trace_points(res: _Trace) -> list[tuple[int, float]]:
+    marks = [r for r in _TRACE_MARKS if r <= res.rank]
+    if res.rank not in marks:
+        marks.append(res.rank)
+    return [(r, float(res.trace_errors[r - 1])) for r in marks]
+
+
+def _write_trace_csv(path: Path, traces: dict[str, _Trace], loaded) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["dataset", "gamma", "rank", "trace_error", "relative"])
+        for token, res in traces.items():
+            g = _format_gamma(loaded[token].gamma)
+            w.writerow([token, g, 0, f"{res.initial_trace:.6g}", "1"])
+            for r, e in enumerate(res.trace_errors, start=1):
+                w.writerow([token, g, r, f"{e:.6g}", f"{e / res.initial_trace:.6g}"])
+
+
+def _write_markdown(path: Path, rows, traces, settings) -> None:
+    summary = _summary(rows)
+    lines = ["# Reproduction of the paper's experiments", ""]
+    lines += _settings_lines(settings)
+    for data in settings["datasets"]:
+        lines += ["", f"## {data.label}", "",
+                  f"n = {data.n}, d = {data.X.shape[1]}, k = {data.n_clusters}, "
+                  f"gamma = {_format_gamma(data.gamma)} ({data.note}).", ""]
+        keys = [k for k in summary if k[0] == data.token]
+        if not keys:
+            lines.append("No runs.")
+            continue
+        if any(m in settings["methods"] for m in _FULL_METHODS) and data.n > settings[
+                "max_exact_n"]:
+            lines += [f"Kernel and Kernel+Chol not run: n = {data.n} > max_exact_n = "
+                      f"{settings['max_exact_n']} (the paper ran them on PenDigits and "
+                      "Satimage only).", ""]
+        lines += ["| method | s | runs | ACC mean ± std | NMI mean ± std | median time (s) |",
+                  "|---|---:|---:|---|---|---:|"]
+        order = {m: i for i, m in enumerate(METHODS)}
+        for key in sorted(keys, key=lambda k: (order[k[1]], k[2] or 0)):
+            st = summary[key]
+            s = "full" if key[2] is None else str(key[2])
+            if key[1] == "icf" and st["rank"] is not None and key[2] is not None \
+                    and st["rank"] < key[2]:
+                s += f" (rank {st['rank']})"
+            lines.append(
+                f"| {METHOD_LABELS[key[1]]} | {s} | {st['runs']} | "
+                f"{st['acc']:.4f} ± {st['acc_sd']:.4f} | {st['nmi']:.4f} ± {st['nmi_sd']:.4f} | "
+                f"{st['time']:.3g} |"
+            )
+        lines += _comparison_lines(summary, data.token)
+    synth = _summary(rows, "synthetic")
+    if synth:
+        lines += ["", "## Synthetic 2-D sets (ICF, s = 50)", "",
+                  "| dataset | gamma | runs | ACC mean ± std | min ACC | median time (s) |",
+                  "|---|---|---:|---|---:|---:|"]
+        for key, st in synth.items():
+            accs = [r["acc"] for r in _groups(rows, "synthetic")[key]]
+            lines.append(
+                f"| {_DISPLAY.get(key[0], key[0])} | {_format_gamma(SYNTHETIC[key[0]][1])} | "
+                f"{st['runs']} | {st['acc']:.4f} ± {st['acc_sd']:.4f} | {min(accs):.4f} | "
+                f"{st['time']:.3g} |"
+            )
+    if traces:
+        lines += ["", "## ICF trace error tr(K - PP^T)", "",
+                  "Relative to tr(K) = n.  'decay per 100' is (e(s2)/e(s1))^(100/(s2-s1)) "
+                  "between consecutive ranks: constant for an exponential decay, rising "
+                  "towards 1 for a slower one.", "",
+                  "| dataset | gamma | s | trace error | relative | decay per 100 |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for token, res in traces.items():
+            prev = None
+            for r, e in _trace_points(res):
+                decay = "" if prev is None or e <= 0 or prev[1] <= 0 else \
+                    f"{(e / prev[1]) ** (100.0 / (r - prev[0])):.3f}"
+                lines.append(
+                    f"| {settings['trace'][token].label} | "
+                    f"{_format_gamma(settings['trace'][token].gamma)} | {r} | {e:.4g} | "
+                    f"{e / res.initial_trace:.3e} | {decay} |"
+                )
+                prev = (r, e)
+    lines.append("")
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def _comparison_lines(summary: dict, token: str) -> list[str]:
+    """ICF next to the sampling baselines at every size, and against the full kernel."""
+    sized = [m for m in METHODS if m not in _FULL_METHODS
+             and any(k[0] == token and k[1] == m for k in summary)]
+    sizes = sorted({k[2] for k in summary if k[0] == token and k[2] is not None})
+    lines = []
+    if len(sized) > 1 and sizes:
+        lines += ["", "ACC at equal subset size (mean ± std; the best mean in bold, the "
+                  "smallest std marked *):", "",
+                  "| s | " + " | ".join(METHOD_LABELS[m] for m in sized) + " |",
+                  "|---:|" + "---|" * len(sized)]
+        for size in sizes:
+            cells = {m: summary.get((token, m, size)) for m in sized}
+            present = [m for m in sized if cells[m] is not None]
+            best = max(present, key=lambda m: cells[m]["acc"])
+            steady = min(present, key=lambda m: cells[m]["acc_sd"])
+            row = []
+            for m in sized:
+                st = cells[m]
+                if st is None:
+                    row.append("")
+                    continue
+                text = f"{st['acc']:.4f} ± {st['acc_sd']:.4f}"
+                text = f"**{text}**" if m == best else text
+                row.append(text + (" *" if m == steady else ""))
+            lines.append(f"| {size} | " + " | ".join(row) + " |")
+    full = summary.get((token, "kernel", None))
+    icf = [(size, summary[(token, "icf", size)]) for size in sizes
+           if (token, "icf", size) in summary]
+    if full is not None and icf:
+        bar = full["acc"] - full["acc_sd"]
+        reached = [size for size, st in icf if st["acc"] >= bar]
+        missed = [size for size, st in icf if st["acc"] < bar]
+        if not reached:
+            where = "at none of the sizes run"
+        elif not missed or missed[-1] < reached[0]:
+            where = f"from s = {reached[0]} on"
+        else:
+            where = (f"at s = {', '.join(map(str, reached))} "
+                     f"(not at s = {', '.join(map(str, missed))})")
+        lines += ["", f"Kernel (full matrix): ACC {full['acc']:.4f} ± {full['acc_sd']:.4f}, "
+                  f"median time {full['time']:.3g} s.  ICF's mean ACC is at least Kernel's "
+                  f"mean minus one std ({bar:.4f}) {where}."]
+    return lines
+
+
+def _settings_lines(st) -> list[str]:
+    reps = f"{st['repeats']}"
+    extra = [f"{k}: {v}" for k, v in st["dataset_repeats"].items()]
+    extra += [f"{METHOD_LABELS[k]}: at most {v}" for k, v in st["method_repeats"].items()]
+    if extra:
+        reps += f" ({'; '.join(extra)})"
+    load = ""
+    if hasattr(os, "getloadavg"):
+        load = ", load average at the end {:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
+    return [
+        f"- datasets: {', '.join(d.token for d in st['datasets']) or 'none'}",
+        f"- subset sizes s: {', '.join(map(str, st['sizes']))}",
+        f"- methods: {', '.join(METHOD_LABELS[m] for m in st['methods'])}",
+        f"- repeats: {reps}; repeat r uses the seed derived from (seed={st['seed']}, r), "
+        "the same for every method",
+        f"- every k-means / kernel k-means: n_init = {st['n_init']}, at most "
+        f"{st['max_iter']} iterations; Kernel and Kernel+Chol only where n <= "
+        f"{st['max_exact_n']}",
+        f"- ICF: KernelKMeans(rank=s, tol={PAPER_TOL:g}, algorithm='lloyd'), Gaussian kernel "
+        "with the paper's gamma.  The factorization is deterministic, so it ran once per "
+        "dataset up to the largest s; its wall time until the s-th pivot (measured once) is "
+        "added to each repeat's k-means time.",
+        "- baselines: the wall time of one fit (kernel matrix, factorization or features "
+        "included)",
+        "- std is the sample standard deviation over the repeats; time is the median",
+        f"- machine: {os.cpu_count()} cores ({platform.machine()}), Python "
+        f"{platform.python_version()}, numpy {np.__version__}{load}",
+        f"- total wall time of the run: {st['elapsed'] / 60:.1f} min",
+    ]
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _panels(plt, count: int, width: float = 4.6, height: float = 3.4):
+    ncols = 1 if count == 1 else 2 if count in (2, 4) else 3
+    nrows = math.ceil(count / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    flat = axes.ravel()
+    for ax in flat[count:]:
+        ax.set_visible(False)
+    return fig, flat[:count]
+
+
+def _figures(out: Path, rows, traces, loaded, datasets, synthetic_fits) -> None:
+    plt = _pyplot()
+    if traces:
+        _trace_figure(plt, out / "trace_error.png", traces, loaded)
+    if synthetic_fits:
+        _synthetic_figure(plt, out / "synthetic.png", synthetic_fits, _summary(rows, "synthetic"))
+    summary = _summary(rows)
+    grid = [t for t in datasets if any(k[0] == t for k in summary)]
+    if grid:
+        _curve_figure(plt, out / "accuracy.png", summary, grid, loaded, "acc")
+        _curve_figure(plt, out / "time.png", summary, grid, loaded, "time")
+        _small_time_figure(plt, out / "time_small.png", summary, grid, loaded)
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _trace_figure(plt, path, traces, loaded) -> None:
+    fig, axes = _panels(plt, len(traces))
+    for ax, (token, res) in zip(axes, traces.items()):
+        te = np.concatenate([[res.initial_trace], res.trace_errors])
+        ranks = np.arange(te.size)
+        keep = te > 0
+        ax.semilogy(ranks[keep], te[keep], color="tab:red", lw=1.6)
+        ax.set_xlabel("rank s")
+        ax.set_ylabel(r"tr$(K - PP^\top)$")
+        ax.set_title(f"{loaded[token].label}, gamma = {_format_gamma(loaded[token].gamma)}")
+        ax.grid(True, which="both", alpha=0.3)
+    _save(plt, fig, path)
+
+
+def _synthetic_figure(plt, path, fits, summary) -> None:
+    fig, axes = _panels(plt, len(fits), width=4.0, height=4.0)
+    for ax, (data, factor, labels) in zip(axes, fits.values()):
+        acc = clustering_accuracy(data.y, labels)
+        ax.scatter(data.X[:, 0], data.X[:, 1], c=labels, cmap="coolwarm", s=5, linewidths=0)
+        piv = factor.result.pivot_rows[:_SYNTHETIC_RANK]
+        ax.scatter(piv[:, 0], piv[:, 1], s=55, facecolors="none", edgecolors="green",
+                   linewidths=1.3, label=f"{piv.shape[0]} pivots")
+        ax.set_aspect("equal", adjustable="datalim")
+        title = f"{data.label}, gamma = {_format_gamma(data.gamma)}\nACC {acc:.3f} (repeat 1)"
+        st = summary.get((data.token, "icf", _SYNTHETIC_RANK))
+        if st is not None and st["runs"] > 1:
+            title += f", mean of {st['runs']}: {st['acc']:.3f}"
+        ax.set_title(title, fontsize=10)
+        ax.legend(loc="lower right", fontsize=8)
+    _save(plt, fig, path)
+
+
+def _curve_figure(plt, path, summary, grid, loaded, what: str) -> None:
+    fig, axes = _panels(plt, len(grid))
+    for ax, token in zip(axes, grid):
+        keys = [k for k in summary if k[0] == token]
+        for m in METHODS:
+            color, marker = _STYLE[m]
+            if m in _FULL_METHODS:
+                full = summary.get((token, m, None))
+                if full is None:
+                    continue
+                ls = "--" if m == "kernel" else ":"
+                ax.axhline(full[what], color=color, ls=ls, lw=1.3, label=METHOD_LABELS[m])
+                if what == "acc" and full["acc_sd"] > 0:
+                    ax.axhspan(full["acc"] - full["acc_sd"], full["acc"] + full["acc_sd"],
+                               color=color, alpha=0.08)
+                continue
+            sizes = sorted(k[2] for k in keys if k[1] == m)
+            if not sizes:
+                continue
+            vals = [summary[(token, m, s)][what] for s in sizes]
+            if what == "acc":
+                err = [summary[(token, m, s)]["acc_sd"] for s in sizes]
+                ax.errorbar(sizes, vals, yerr=err, color=color, marker=marker, ms=4, lw=1.3,
+                            capsize=3, label=METHOD_LABELS[m])
+            else:
+                ax.plot(sizes, vals, color=color, marker=marker, ms=4, lw=1.3,
+                        label=METHOD_LABELS[m])
+        ax.set_xscale("log")
+        grid_sizes = sorted({k[2] for k in keys if k[2] is not None})
+        ax.set_xticks(grid_sizes, [str(v) for v in grid_sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("subset size s")
+        if what == "acc":
+            ax.set_ylabel("clustering accuracy")
+        else:
+            ax.set_yscale("log")
+            ax.set_ylabel("median wall time (s)")
+        ax.set_title(loaded[token].label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+def _small_size(name: str, sizes: list[int]) -> int:
+    want = PAPER_SUBSET_SIZE.get(name, sizes[0])
+    return min(sizes, key=lambda s: (abs(s - want), s))
+
+
+def _small_time_figure(plt, path, summary, grid, loaded) -> None:
+    fig, axes = _panels(plt, len(grid))
+    for ax, token in zip(axes, grid):
+        keys = [k for k in summary if k[0] == token]
+        sizes = sorted({k[2] for k in keys if k[2] is not None})
+        s = _small_size(loaded[token].name, sizes) if sizes else None
+        bars = []
+        for m in METHODS:
+            key = (token, m, None if m in _FULL_METHODS else s)
+            if key in summary:
+                bars.append((m, summary[key]))
+        x = np.arange(len(bars))
+        heights = [b[1]["time"] for b in bars]
+        ax.bar(x, heights, color=[_STYLE[m][0] for m, _ in bars])
+        for xi, (_, st) in zip(x, bars):
+            ax.annotate(f"ACC {st['acc']:.3f}", (xi, st["time"]), ha="center", va="bottom",
+                        fontsize=7, xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(x, ["Chol" if m == "kernel+chol" else METHOD_LABELS[m] for m, _ in bars],
+                      fontsize=8)
+        ax.set_ylabel("median wall time (s)")
+        ax.set_title(f"{loaded[token].label}, s = {s}")
+        if heights and max(heights) > 20 * min(heights):
+            ax.set_yscale("log")
+            ax.set_ylim(top=max(heights) * 4)
+        elif heights:
+            ax.set_ylim(0, max(heights) * 1.15)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    _save(plt, fig, path)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _key_value(text: str) -> tuple[str, int]:
+    key, sep, value = text.partition("=")
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not sep or not key or number < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=COUNT with COUNT >= 1, got {text!r}")
+    return key, number
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench`` with its ``paper`` subcommand to the CLI's subparsers.
+
+    Parameters
+    ----------
+    subparsers : argparse._SubParsersAction
+        The top-level ``add_subparsers()`` object of ``dkicf``.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+        The ``bench`` parser.
+    """
+    bench = subparsers.add_parser("bench", help="benchmarks: reproduce the paper's experiments")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    sub.required = True
+    p = sub.add_parser(
+        "paper",
+        help="every method on the paper's grid: results.csv, results.md and PNG figures",
+        description="Run ICF kernel k-means and the paper's baselines over datasets x subset "
+                    "sizes x repeats; write results.csv, results.md and the figures.",
+    )
+    p.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), metavar="NAME",
+                   help=f"from {', '.join(known_datasets())}; NAME:N for a seeded subsample "
+                        f"(default: {' '.join(DEFAULT_DATASETS)})")
+    p.add_argument("--sizes", nargs="+", type=_positive, default=list(DEFAULT_SIZES),
+                   metavar="S", help="subset sizes (default: 25 50 100 200 500 1000)")
+    p.add_argument("--repeats", type=_positive, default=10, help="runs per cell (default: 10)")
+    p.add_argument("--out-dir", default="docs/results",
+                   help="output folder (default: docs/results)")
+    p.add_argument("--data-home", help="folder holding the <name>.npz files")
+    p.add_argument("--methods", nargs="+", metavar="METHOD",
+                   help=f"subset of {', '.join(METHODS)} (default: all)")
+    p.add_argument("--max-exact-n", type=_positive, default=12000,
+                   help="largest n for Kernel and Kernel+Chol (default: 12000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-datasets", nargs="*", default=list(DEFAULT_TRACE_DATASETS),
+                   metavar="NAME", help="datasets of the trace-error figure (default: usps mnist)")
+    p.add_argument("--trace-rank", type=_positive, default=1000,
+                   help="largest rank of the trace-error curves (default: 1000)")
+    p.add_argument("--no-synthetic", dest="synthetic", action="store_false",
+                   help="skip the Ring / Parabolic / Zigzag figure")
+    p.add_argument("--n-init", type=_positive, default=1,
+                   help="k-means restarts in every fit (default: 1)")
+    p.add_argument("--max-iter", type=_positive, default=PAPER_MAX_ITER,
+                   help="k-means iteration cap (default: 1000)")
+    p.add_argument("--dataset-repeats", nargs="+", type=_key_value, default=[],
+                   metavar="NAME=R", help="fewer (or more) repeats for some datasets")
+    p.add_argument("--method-repeats", nargs="+", type=_key_value, default=[],
+                   metavar="METHOD=R", help="at most R repeats for some methods")
+    return bench
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run the command parsed by the parser of :func:`add_parser`; returns the exit code."""
+    if getattr(args, "bench_command", "paper") != "paper":  # pragma: no cover - argparse guards
+        raise ValueError(f"unknown bench command {args.bench_command!r}; valid: paper.")
+    rows = run_paper(
+        args.datasets, args.sizes, args.repeats, args.out_dir,
+        data_home=args.data_home, methods=args.methods,
+        progress=not getattr(args, "quiet", False), max_exact_n=args.max_exact_n,
+        seed=args.seed, trace_datasets=args.trace_datasets, trace_rank=args.trace_rank,
+        synthetic=args.synthetic, n_init=args.n_init, max_iter=args.max_iter,
+        dataset_repeats=dict(args.dataset_repeats), method_repeats=dict(args.method_repeats),
+    )
+    out = Path(args.out_dir)
+    print(f"{len(rows)} runs; wrote {out / 'results.csv'}, {out / 'results.md'} and the "
+          f"figures in {out}")
+    return 0

@@ -1,0 +1,162 @@
+"""Tests of dkicf.bench: a tiny run of the paper's grid, its outputs and its input errors."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dkicf import KernelKMeans
+from dkicf.bench import METHODS, SYNTHETIC, add_parser, known_datasets, run_paper
+from dkicf.metrics import clustering_accuracy
+from dkicf.synthetic import make_zigzag
+
+pytest.importorskip("matplotlib")
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+FIGURES = ("trace_error.png", "synthetic.png", "accuracy.png", "time.png", "time_small.png")
+
+
+def _quick(out, **kw):
+    """A run small enough for the test suite: 120 Ring points, sizes 10 and 20."""
+    args = dict(datasets=["ring:120"], sizes=[10, 20], repeats=2, out_dir=out,
+                progress=False, trace_datasets=["ring:120"], trace_rank=30, synthetic=False)
+    args.update(kw)
+    return run_paper(**args)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rows = _quick(out, synthetic=True)
+    return out, rows
+
+
+def test_tiny_run_writes_csv_table_and_figures(tiny_run):
+    import matplotlib.image as mpimg
+
+    out, rows = tiny_run
+    # 3 synthetic sets x 2 repeats; grid: 4 sized methods x 2 sizes x 2 repeats + 2 full x 2.
+    assert len(rows) == 3 * 2 + 4 * 2 * 2 + 2 * 2
+    with open(out / "results.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(rows)
+    assert {r["method"] for r in table if r["experiment"] == "grid"} == set(METHODS)
+    assert {r["dataset"] for r in table if r["experiment"] == "synthetic"} == set(SYNTHETIC)
+    for r in table:
+        assert 0.0 <= float(r["acc"]) <= 1.0
+        assert 0.0 <= float(r["nmi"]) <= 1.0 + 1e-12
+        assert float(r["time_s"]) > 0.0
+    md = (out / "results.md").read_text()
+    assert "| method | s | runs | ACC mean ± std | NMI mean ± std | median time (s) |" in md
+    assert "## Ring:120" in md and "| Nyström | 20 | 2 |" in md and "| Kernel | full | 2 |" in md
+    assert "## ICF trace error" in md and "## Synthetic 2-D sets" in md
+    for name in FIGURES:
+        image = mpimg.imread(out / name)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    with open(out / "trace_error.csv", newline="") as f:
+        trace = list(csv.DictReader(f))
+    assert [int(r["rank"]) for r in trace] == list(range(31))
+    errors = [float(r["trace_error"]) for r in trace]
+    assert errors[0] == pytest.approx(120.0) and np.all(np.diff(errors) <= 1e-9)
+
+
+def test_icf_time_is_factorization_plus_kmeans(tiny_run):
+    _, rows = tiny_run
+    icf = [r for r in rows if r["method"] == "icf" and r["experiment"] == "grid"]
+    for r in icf:
+        assert r["time_s"] == pytest.approx(r["factor_time_s"] + r["kmeans_time_s"])
+        assert r["rank"] == r["size"]
+    # One factorization per dataset: every repeat at a size shares its time.
+    by_size = {}
+    for r in icf:
+        by_size.setdefault(r["size"], set()).add(r["factor_time_s"])
+    assert all(len(v) == 1 for v in by_size.values())
+    assert min(by_size[10]) <= min(by_size[20])
+
+
+def test_icf_rows_equal_the_estimator(tmp_path):
+    rows = _quick(tmp_path, datasets=["zigzag:300"], methods=["icf"], trace_datasets=None)
+    X, y = make_zigzag(300, random_state=0)
+    for r in rows:
+        est = KernelKMeans(n_clusters=2, gamma=SYNTHETIC["zigzag"][1], rank=r["size"], tol=1e-3,
+                           algorithm="lloyd", n_init=1, max_iter=1000, random_state=r["seed"])
+        assert r["acc"] == clustering_accuracy(y, est.fit(X).labels_)
+    assert not (tmp_path / "trace_error.png").exists()
+
+
+def test_repeat_caps_and_exact_limit(tmp_path):
+    rows = _quick(tmp_path, methods=["icf", "rff", "kernel"], trace_datasets=None,
+                  max_exact_n=100, dataset_repeats={"ring": 3}, method_repeats={"rff": 1})
+    count = {}
+    for r in rows:
+        count[r["method"]] = count.get(r["method"], 0) + 1
+    assert count == {"icf": 3 * 2, "rff": 1 * 2}
+    assert "not run: n = 120 > max_exact_n = 100" in (tmp_path / "results.md").read_text()
+
+
+def test_unknown_dataset_lists_the_known_ones(tmp_path):
+    with pytest.raises(ValueError, match="Unknown dataset 'pendigit'. Known datasets are: "
+                                         "pendigits, .*ring, parabolic, zigzag"):
+        _quick(tmp_path, datasets=["pendigit"])
+    with pytest.raises(ValueError, match="Unknown dataset 'digits'"):
+        _quick(tmp_path, trace_datasets=["digits"])
+    assert not any(tmp_path.iterdir())
+    assert "mnist" in known_datasets() and "ring" in known_datasets()
+
+
+def test_oversize_subset_is_refused_with_both_numbers(tmp_path):
+    with pytest.raises(ValueError, match=r"subset size s=150 is larger than n=120.*ring:120"):
+        _quick(tmp_path, sizes=[10, 150], methods=["icf"])
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"methods": ["icf", "spectral"]}, "Unknown method 'spectral'. Known methods are: icf"),
+        ({"methods": []}, "methods is empty"),
+        ({"sizes": [0, 10]}, "every subset size must be an integer >= 1, got 0"),
+        ({"repeats": 0}, "repeats must be an integer >= 1"),
+        ({"datasets": ["ring:0"]}, "row count >= 1"),
+        ({"method_repeats": {"spectral": 1}}, "method_repeats: unknown key 'spectral'"),
+    ],
+)
+def test_bad_arguments(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _quick(tmp_path, **kw)
+
+
+def test_cli_parser_and_run(tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dkicf")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "bench", "paper", "--datasets", "parabolic:100", "--sizes", "10", "--repeats", "1",
+        "--methods", "icf", "Nyström", "--out-dir", str(tmp_path), "--trace-datasets",
+        "--no-synthetic", "--method-repeats", "nystrom=1",
+    ])
+    assert args.command == "bench" and args.bench_command == "paper"
+    from dkicf.bench import run_cli
+
+    args.quiet = True
+    assert run_cli(args) == 0
+    assert "2 runs" in capsys.readouterr().out
+    assert (tmp_path / "accuracy.png").exists() and not (tmp_path / "trace_error.png").exists()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "paper", "--sizes", "0"])
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "pendigits.npz").is_file(),
+                    reason=f"pendigits.npz not found in {SHARED_DATA} (no network in tests)")
+def test_real_dataset_subsample(tmp_path):
+    rows = run_paper(["pendigits:400"], [10, 20], 1, tmp_path, data_home=SHARED_DATA,
+                     methods=["icf", "approx", "kernel"], progress=False,
+                     trace_datasets=None, synthetic=False)
+    assert {(r["method"], r["size"]) for r in rows} == {
+        ("icf", 10), ("icf", 20), ("approx", 10), ("approx", 20), ("kernel", None)}
+    assert all(r["n"] == 400 and r["n_features"] == 16 and r["gamma"] == 2.0**-16 for r in rows)
+    assert "seeded subsample of 400 rows" in (tmp_path / "results.md").read_text()
