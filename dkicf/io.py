@@ -72,6 +72,7 @@ __all__ = [
     "staged_group",
     "write_dask",
     "write_group",
+    "write_members",
 ]
 
 MiB = 1 << 20
@@ -1743,6 +1744,33 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
         _publish(tmp, local, url, overwrite=overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_members(
+    group_url, arrays: dict, attrs: dict, *, storage_options: dict | None = None
+) -> None:
+    """Add small arrays and JSON attributes to a group being built (no staging of its own).
+
+    Used inside :func:`staged_group`, where large members (``P``, ``labels``)
+    are written by the cluster into the same group.
+    """
+    group_url = os.fspath(group_url)
+    meta = _jsonable(dict(attrs), "attrs")
+    meta.setdefault("created_by", f"dkicf {_version()}")
+    group = zarr.open_group(store=_store(group_url, storage_options, read_only=False), mode="a",
+                            zarr_format=3)
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        try:
+            check_dtype(value.dtype, f"array {name!r}")
+        except TypeError as exc:
+            raise DkicfIOError(f"cannot write {group_url}: {exc}") from exc
+        chunks = tuple(max(1, s) for s in value.shape)
+        arr = group.create_array(name, shape=value.shape, chunks=chunks, dtype=value.dtype,
+                                 overwrite=True)
+        if value.size:
+            arr[...] = value
+    group.attrs.update(meta)
 
 
 def write_dask(group_url, name: str, darr, *, storage_options: dict | None = None) -> None:

@@ -137,6 +137,15 @@ def _worker_resources(client) -> tuple[int | None, int, int]:
     return limit, len(workers), threads
 
 
+def _p_store_arg(plan: FitPlan, target: str) -> dict:
+    """Where the factorization keeps P: worker memory, or the output group's ``P``."""
+    if plan.p_storage != "zarr":
+        return {}
+    from . import io
+
+    return {"p_store": io._join(target, "P")}
+
+
 def _contingency(labels, y, n_clusters: int):
     """k x c counts of (label, class) pairs, reduced chunk by chunk."""
     import dask.array as da
@@ -199,39 +208,38 @@ def fit_store(
         X = X.rechunk({0: plan.chunk_rows, 1: -1})
         if y is not None:
             y = y.rechunk({0: plan.chunk_rows})
-    if plan.p_storage == "zarr":
-        raise MemoryError(
-            f"P needs {plan.p_bytes / 2**30:.2f} GiB, more than {_HOLD_FRACTION:.0%} of the "
-            f"cluster's memory ({(plan.cluster_memory or 0) / 2**30:.2f} GiB); add workers "
-            "or memory, or lower --rank."
-        )
     icf_seed, km_seed = model._seeds()
-    t0 = time.perf_counter()
-    icf = incomplete_cholesky(
-        X, kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
-        max_rank=model.rank, tol=model.tol, client=client, persist=plan.persist_x,
-        random_state=icf_seed, progress=progress,
-    )
-    t_icf = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    km = kmeans(
-        icf.P, model.n_clusters, algorithm=model.algorithm, batch_size=model.batch_size,
-        n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
-        random_state=km_seed, client=client, progress=progress,
-    )
-    t_km = time.perf_counter() - t0
-    model.n_features_in_ = X.shape[1]
-    model._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
-    arrays, attrs = _model_arrays_attrs(model)
-    attrs["input"] = _input_fingerprint(store, info, storage_options)
-    attrs["plan"] = asdict(plan)
-    t0 = time.perf_counter()
     with io.staged_group(out, overwrite=overwrite, storage_options=storage_options) as target:
-        io.write_group(target, arrays, attrs, overwrite=True, storage_options=storage_options)
+        # The group is built where it will be published: P, when it is kept in
+        # Zarr, is written by the workers straight into it.
+        io.write_members(target, {}, {"format": "dkicf-fit-in-progress"},
+                         storage_options=storage_options)
+        t0 = time.perf_counter()
+        icf = incomplete_cholesky(
+            X, kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
+            max_rank=model.rank, tol=model.tol, client=client, persist=plan.persist_x,
+            random_state=icf_seed, progress=progress, **_p_store_arg(plan, target),
+        )
+        t_icf = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        km = kmeans(
+            icf.P, model.n_clusters, algorithm=model.algorithm, batch_size=model.batch_size,
+            n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
+            random_state=km_seed, client=client, progress=progress,
+        )
+        t_km = time.perf_counter() - t0
+        model.n_features_in_ = X.shape[1]
+        model._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
+        arrays, attrs = _model_arrays_attrs(model)
+        attrs["input"] = _input_fingerprint(store, info, storage_options)
+        attrs["plan"] = asdict(plan)
+        t0 = time.perf_counter()
         io.write_dask(target, "labels", km.labels.astype(np.int32),
                       storage_options=storage_options)
-        io.write_dask(target, "P", icf.P, storage_options=storage_options)
-    t_write = time.perf_counter() - t0
+        if plan.p_storage != "zarr":
+            io.write_dask(target, "P", icf.P, storage_options=storage_options)
+        io.write_members(target, arrays, attrs, storage_options=storage_options)
+        t_write = time.perf_counter() - t0
     report = {
         "n_samples": int(X.shape[0]),
         "n_features": int(X.shape[1]),
@@ -239,6 +247,8 @@ def fit_store(
         "stop_reason": icf.stop_reason,
         "trace_error": float(icf.trace_errors[-1]) if icf.rank else float(icf.initial_trace),
         "n_passes": icf.n_passes,
+        "x_in_memory": plan.persist_x,
+        "p_storage": plan.p_storage,
         "gamma": getattr(icf.kernel, "gamma", None),
         "inertia": km.inertia,
         "icf_s": t_icf,
