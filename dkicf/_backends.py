@@ -34,7 +34,7 @@ class NumpyBackend:
     iteration, the bandwidth floor of the method.
     """
 
-    _BLOCK_ROWS = 16384
+    _BLOCK_ROWS = _chunk.ROW_BLOCK
 
     def __init__(
         self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None,
@@ -74,7 +74,8 @@ class NumpyBackend:
     def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1) -> dict:
         st = self.state
         if self._pool is None:
-            _chunk.update_rows(self.X, st.P, st.e, st.aux, block, 0, self.n)
+            for lo, hi in self.bounds:
+                _chunk.update_rows(self.X, st.P, st.e, st.aux, block, lo, hi)
         else:
             futs = [
                 self._pool.submit(_chunk.update_rows, self.X, st.P, st.e, st.aux, block, lo, hi)

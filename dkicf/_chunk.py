@@ -27,11 +27,27 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.linalg import solve_triangular
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from .kernels import Kernel
 
 _FLOAT = np.float64
+
+# Rows per sub-block of a chunk task: the per-row temporaries (kernel column,
+# P u, squares) stay in cache and below malloc's mmap threshold (workers run
+# with a low MALLOC_TRIM_THRESHOLD_, which makes large temporaries page-fault
+# on every allocation).
+ROW_BLOCK = 8192
+
+_CONTROLLER: ThreadpoolController | None = None
+
+
+def threadpool_limits(limits: int = 1):
+    """Limit BLAS threads inside a task; the library scan is done once per process."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=limits, user_api="blas")
 
 
 class NonFiniteError(ValueError):
@@ -329,7 +345,8 @@ def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkSt
         e = state.e.copy()
         if state.store is not None:
             return _update_stored(x, state, e, block)
-        update_rows(x, state.P, e, state.aux, block, 0, e.shape[0])
+        for lo in range(0, e.shape[0], ROW_BLOCK):
+            update_rows(x, state.P, e, state.aux, block, lo, min(lo + ROW_BLOCK, e.shape[0]))
         pivots = finish_block(state.P, e, state.offset, block, state.pivots)
     return ChunkState(
         state.P, e, state.aux, i + block.index.shape[0], state.offset, state.n_passes + 1, pivots

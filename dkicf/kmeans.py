@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from scipy import sparse
-from threadpoolctl import threadpool_limits
 
+from ._chunk import threadpool_limits
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 
 if TYPE_CHECKING:
