@@ -25,12 +25,6 @@ def _rchar() -> int:
     return psutil.Process(os.getpid()).io_counters().read_chars
 
 
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -82,6 +76,9 @@ def main(argv=None) -> None:
         print(f"plain pass X.sum(): {t_pass:.2f} s, {read_pass / 1e9:.2f} GB read")
 
         out = work / "model.zarr"
+        from dkicf._cluster import rss_sampler_peak, start_rss_sampler
+
+        client.run(start_rss_sampler)
         r0 = sum(client.run(_rchar).values())
         t0 = time.perf_counter()
         report = fit_store(
@@ -91,7 +88,7 @@ def main(argv=None) -> None:
         )
         wall = time.perf_counter() - t0
         read = sum(client.run(_rchar).values()) - r0
-        peaks = client.run(_peak_rss)
+        peaks = client.run(rss_sampler_peak)
     finally:
         cluster = client.cluster
         client.close()

@@ -204,20 +204,9 @@ class DaskBackend:
     def _x(self, j):
         if self.persist:
             return self._x_futs[j]
-        if self._x_step is None or self._x_step[0] != self.step:
-            # Fresh read tasks for this pass, under keys of their own: the
-            # previous pass's chunks may still be in memory under the original
-            # keys, and the scheduler would hand those back instead of reading.
-            self._x_step = (
-                self.step,
-                [
-                    self.client.submit(
-                        _read_block, block, key=f"icf-read-{self.token}-{self.step}-{j}"
-                    )
-                    for j, block in enumerate(self._x_arrays)
-                ],
-            )
-        return self._x_step[1][j]
+        # Streaming: the task reads its chunk itself, so no chunk outlives the
+        # task that uses it and every pass reads X afresh.
+        return _chunk.LazyChunk(self._x_arrays[j])
 
     def summary(self, m: int = 1, first: bool = False) -> dict:
         futs = [
@@ -418,11 +407,6 @@ class DaskBackend:
 
 def _identity(x):
     return x
-
-
-def _read_block(block) -> np.ndarray:
-    """Compute one chunk of X inside a task (a fresh read from its source)."""
-    return np.asarray(block.compute(scheduler="sync"))
 
 
 def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool):

@@ -137,7 +137,9 @@ class ChunkState:
     the factor, and only its first ``rank - flushed`` columns are meaningful.
     """
 
-    __slots__ = ("P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store")
+    __slots__ = (
+        "P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store", "cache"
+    )
 
     def __init__(
         self, P, e, aux, rank, offset, n_passes=0, pivots=None, flushed=0, store=None
@@ -152,6 +154,9 @@ class ChunkState:
         self.pivots = np.empty(0, dtype=np.int64) if pivots is None else pivots
         self.flushed = flushed
         self.store = store
+        # The chunk's summary (chunk_stats with m=1 and rows) computed by the
+        # update while X was in memory, so that a streaming pass reads X once.
+        self.cache = None
 
     @property
     def n_rows(self) -> int:
@@ -178,6 +183,31 @@ class ChunkState:
             start = max(lo, f)
             out[:, start - lo :] = self.P[:, start - f : hi - f]
         return out
+
+
+class LazyChunk:
+    """A row chunk of X that is read from its source (e.g. Zarr) only inside a task.
+
+    Streaming passes hand tasks this small object instead of a future holding
+    the chunk, so no chunk stays in memory longer than the task that reads it.
+    """
+
+    __slots__ = ("block",)
+
+    def __init__(self, block):
+        self.block = block  # a single-chunk dask array
+
+    def read(self) -> np.ndarray:
+        return np.asarray(self.block.compute(scheduler="sync"))
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.read()
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def materialize(x):
+    """The chunk as a numpy array (reading it if it is a :class:`LazyChunk`)."""
+    return x.read() if isinstance(x, LazyChunk) else x
 
 
 def as_float(x: np.ndarray) -> np.ndarray:
@@ -208,6 +238,7 @@ def chunk_init(
 
     With ``store``, the buffer is the in-memory tail of one column block.
     """
+    x = materialize(x)
     with threadpool_limits(1):
         x, aux = _prepare(x, kernel, offset, chunk)
         e = np.array(kernel.diag(x, aux), dtype=_FLOAT)
@@ -240,6 +271,9 @@ def chunk_stats(state: ChunkState, m: int = 1, x: np.ndarray | None = None, rows
     ``max_sqnorm`` of the rows when ``x`` is given; and, with ``rows=True``,
     the candidates' rows of X (``x_rows``, ``aux``) and of P (``p_rows``).
     """
+    if rows and m == 1 and state.cache is not None:
+        return dict(state.cache)
+    x = materialize(x)
     e = state.e
     n = e.shape[0]
     out = {"trace": float(e.sum()), "n_passes": state.n_passes}
@@ -340,17 +374,21 @@ def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkSt
     i = block.rank
     if state.rank != i:
         raise RuntimeError(f"chunk at rank {state.rank} received a block for rank {i}")
+    x = materialize(x)
     with threadpool_limits(1):
         x = as_float(x)
         e = state.e.copy()
         if state.store is not None:
-            return _update_stored(x, state, e, block)
-        for lo in range(0, e.shape[0], ROW_BLOCK):
-            update_rows(x, state.P, e, state.aux, block, lo, min(lo + ROW_BLOCK, e.shape[0]))
-        pivots = finish_block(state.P, e, state.offset, block, state.pivots)
-    return ChunkState(
-        state.P, e, state.aux, i + block.index.shape[0], state.offset, state.n_passes + 1, pivots
-    )
+            new = _update_stored(x, state, e, block)
+        else:
+            for lo in range(0, e.shape[0], ROW_BLOCK):
+                update_rows(x, state.P, e, state.aux, block, lo,
+                            min(lo + ROW_BLOCK, e.shape[0]))
+            pivots = finish_block(state.P, e, state.offset, block, state.pivots)
+            new = ChunkState(state.P, e, state.aux, i + block.index.shape[0], state.offset,
+                             state.n_passes + 1, pivots)
+        new.cache = chunk_stats(new, 1, x, rows=True)
+    return new
 
 
 def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> ChunkState:
@@ -458,6 +496,7 @@ def chunk_restore(
     only when ``stored``) from the P array.  The values are the bytes the
     state held when it was written, so the rebuilt state is bit-identical.
     """
+    x = materialize(x)
     rank = int(point["rank"])
     state = _worker_state(previous_key, rank)
     if state is not None:
@@ -604,6 +643,7 @@ def chunk_rebase(
     rows of X, which reproduces it bit for bit (and, for a Zarr-backed chunk,
     rewrites its full column blocks with the same bytes).
     """
+    x = materialize(x)
     state = _worker_state(previous_key, history.rank)
     if state is not None:
         return state

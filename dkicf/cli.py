@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coef0", type=float, default=1.0)
     p.add_argument("--rank", type=_positive_int, default=100, help="rank s (default: 100)")
     p.add_argument("--tol", type=float, default=1e-3, help="trace-error tolerance (default: 1e-3)")
+    p.add_argument("--pivoting", choices=["greedy", "block-greedy", "rpcholesky"],
+                   default="greedy", help="pivot rule of the factorization (default: greedy)")
     p.add_argument("--algorithm", choices=["minibatch", "lloyd"], default="minibatch")
     p.add_argument("--batch-size", type=_positive_int, default=1024)
     p.add_argument("--n-init", type=_positive_int, default=3)
@@ -400,7 +402,8 @@ def _cmd_fit(args) -> int:
     progress = _Progress(args.quiet)
     params = dict(
         n_clusters=args.clusters, kernel=args.kernel, gamma=args.gamma, degree=args.degree,
-        coef0=args.coef0, rank=args.rank, tol=args.tol, algorithm=args.algorithm,
+        coef0=args.coef0, rank=args.rank, tol=args.tol, pivoting=args.pivoting,
+        algorithm=args.algorithm,
         batch_size=args.batch_size, n_init=args.n_init, max_iter=args.max_iter,
         random_state=args.seed,
     )

@@ -53,6 +53,10 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     tol : float, default=1e-3
         The factorization stops once ``tr(K - P P^T) <= tol`` (absolute, the
         paper's epsilon).
+    pivoting : {"greedy", "block-greedy", "rpcholesky"}, default="greedy"
+        Pivot rule of the factorization: the paper's sequential greedy rule,
+        the same pivots chosen in blocks (far fewer passes over X), or
+        randomly pivoted Cholesky (see :func:`dkicf.incomplete_cholesky`).
     algorithm : {"minibatch", "lloyd"}, default="minibatch"
         Mini-batch k-means (Sculley 2010) or full-batch Lloyd on the rows of P.
     batch_size : int, default=1024
@@ -120,6 +124,7 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         coef0: float = 1.0,
         rank: int = 100,
         tol: float = 1e-3,
+        pivoting: str = "greedy",
         algorithm: str = "minibatch",
         batch_size: int = 1024,
         n_init: int = 3,
@@ -135,6 +140,7 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.coef0 = coef0
         self.rank = rank
         self.tol = tol
+        self.pivoting = pivoting
         self.algorithm = algorithm
         self.batch_size = batch_size
         self.n_init = n_init
@@ -226,6 +232,7 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             coef0=self.coef0,
             max_rank=self.rank,
             tol=self.tol,
+            pivoting=self.pivoting,
             persist=self.persist,
             random_state=icf_seed,
             progress=progress,

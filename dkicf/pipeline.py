@@ -217,7 +217,8 @@ def fit_store(
         t0 = time.perf_counter()
         icf = incomplete_cholesky(
             X, kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
-            max_rank=model.rank, tol=model.tol, client=client, persist=plan.persist_x,
+            max_rank=model.rank, tol=model.tol, pivoting=model.pivoting, client=client,
+            persist=plan.persist_x,
             random_state=icf_seed, progress=progress, **_p_store_arg(plan, target),
         )
         t_icf = time.perf_counter() - t0
