@@ -1,0 +1,141 @@
+"""P kept in Zarr (``p_store=``): same factorization as in worker memory, small chunk states."""
+
+import dask.array as da
+import numpy as np
+import pytest
+import zarr
+from dask.sizeof import sizeof
+
+from dkicf import _chunk, incomplete_cholesky
+from dkicf.checkpoint import p_rows_for
+from dkicf.kernels import GaussianKernel
+
+
+@pytest.fixture(scope="module")
+def X():
+    return np.random.default_rng(3).normal(size=(900, 3))
+
+
+@pytest.fixture(scope="module")
+def in_memory(client, X):
+    Xd = da.from_array(X, chunks=300)
+    res = incomplete_cholesky(Xd, gamma=0.6, max_rank=40, tol=0, client=client)
+    return res, res.P.compute(), res.residual.compute()
+
+
+@pytest.mark.parametrize("chunks", [(300, 300, 300), (100, 333, 17, 450)])
+def test_p_in_zarr_equals_in_memory(client, X, in_memory, tmp_path, chunks):
+    ref, ref_P, ref_e = in_memory
+    url = str(tmp_path / "P.zarr")
+    res = incomplete_cholesky(da.from_array(X, chunks=(chunks, (3,))),
+                              gamma=0.6, max_rank=40, tol=0, client=client, p_store=url)
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    P = res.P.compute()
+    # The flushed columns are multiplied block by block: rounding-level differences only.
+    np.testing.assert_allclose(P, ref_P, atol=1e-10, rtol=0)
+    np.testing.assert_allclose(res.residual.compute(), ref_e, atol=1e-10, rtol=0)
+    np.testing.assert_allclose(res.trace_errors, ref.trace_errors, atol=1e-9, rtol=0)
+    np.testing.assert_allclose(res.L, ref.L, atol=1e-12, rtol=0)
+    arr = zarr.open_array(url, mode="r")
+    assert arr.shape == (900, 40)
+    # Each task writes whole Zarr chunks: their rows divide the row chunks of P.
+    assert arr.chunks[1] == 32 and all(c % arr.chunks[0] == 0 for c in res.P.chunks[0][:-1])
+    assert arr.attrs["dkicf"]["rank"] == 40
+    assert arr.attrs["dkicf"]["pivots"] == res.pivots.tolist()
+    np.testing.assert_array_equal(np.asarray(arr[:, :40]), P)
+
+
+def test_p_rows_divide_the_row_chunks():
+    assert p_rows_for((10000, 10000, 3456)) == 5000
+    assert p_rows_for((65536, 65536, 10)) == 8192
+    assert p_rows_for((1000, 1000, 500)) == 1000
+    assert p_rows_for((150,) * 4) == 150
+    assert p_rows_for((10007, 10007, 5)) == 10007
+    assert p_rows_for((777,)) == 777
+    assert p_rows_for((100, 333, 17, 550)) == 0  # irregular: X is rechunked
+
+
+def _spec(tmp_path, n, capacity, cb=4):
+    url = str(tmp_path / "P.zarr")
+    zarr.create_array(url, shape=(n, capacity), chunks=(n, cb), dtype="f8", fill_value=np.nan)
+    return _chunk.StoreSpec(url, "", "t", cb)
+
+
+def test_state_keeps_only_a_tail_and_stays_small(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 2))
+    kern = GaussianKernel(0.5)
+    spec = _spec(tmp_path, 500, 20)
+    state = _chunk.chunk_init(x, kern, 0, 20, 0, spec)
+    mem = _chunk.chunk_init(x, kern, 0, 20, 0)
+    for i in range(11):
+        stats = _chunk.chunk_stats(state, 1, x, rows=True)
+        block = _chunk.PivotBlock(kern, stats["index"], stats["x_rows"], stats["aux"],
+                                  stats["p_rows"], np.array([[np.sqrt(stats["values"][0])]]), i)
+        state = _chunk.chunk_update(x, state, block)
+        mem = _chunk.chunk_update(x, mem, block)
+        assert state.rank - state.flushed < 4 and state.P.shape[1] == 4
+        assert sizeof(state) < sizeof(mem)
+    assert state.flushed == 8
+    stored = np.asarray(spec.array()[:, :8])
+    np.testing.assert_allclose(stored, mem.P[:, :8], atol=1e-13)
+    _, _, rows, _ = _chunk.chunk_rows(x, state, np.array([7, 300]))
+    np.testing.assert_allclose(rows, mem.P[[7, 300], :11], atol=1e-13)
+    for lo, hi in ((0, 11), (3, 6), (6, 10), (9, 11)):
+        np.testing.assert_allclose(state.columns(lo, hi), mem.columns(lo, hi), atol=1e-13)
+
+
+def test_rerunning_an_update_writes_identical_bytes(tmp_path):
+    """A task re-run from an earlier state (worker failure) leaves Zarr unchanged."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(300, 2))
+    kern = GaussianKernel(0.5)
+    spec = _spec(tmp_path, 300, 8)
+    states = [_chunk.chunk_init(x, kern, 0, 8, 0, spec)]
+    blocks = []
+    for i in range(8):
+        stats = _chunk.chunk_stats(states[-1], 1, x, rows=True)
+        blocks.append(_chunk.PivotBlock(kern, stats["index"], stats["x_rows"], stats["aux"],
+                                        stats["p_rows"], np.array([[np.sqrt(stats["values"][0])]]),
+                                        i))
+        states.append(_chunk.chunk_update(x, states[-1], blocks[-1]))
+    before = np.asarray(spec.array()[:])
+    again = _chunk.chunk_update(x, states[3], blocks[3])  # completes the first column block
+    again = _chunk.chunk_update(x, again, blocks[4])
+    np.testing.assert_array_equal(np.asarray(spec.array()[:]), before)
+    np.testing.assert_array_equal(again.e, states[5].e)
+    np.testing.assert_array_equal(again.P[:, :1], states[5].P[:, :1])
+
+
+def test_numpy_input_refuses_p_store(tmp_path, X):
+    with pytest.raises(ValueError, match="p_store= keeps P in Zarr for dask input"):
+        incomplete_cholesky(X, gamma=1.0, p_store=str(tmp_path / "P.zarr"))
+
+
+def test_existing_p_store_is_refused_then_overwritten(client, tmp_path, X):
+    url = str(tmp_path / "P.zarr")
+    Xd = da.from_array(X, chunks=450)
+    incomplete_cholesky(Xd, gamma=1.0, max_rank=5, client=client, p_store=url)
+    with pytest.raises(FileExistsError, match="already exists.*overwrite=True"):
+        incomplete_cholesky(Xd, gamma=1.0, max_rank=5, client=client, p_store=url)
+    res = incomplete_cholesky(Xd, gamma=1.0, max_rank=7, client=client, p_store=url,
+                              overwrite=True)
+    assert res.P.shape == (900, 7)
+
+
+def test_foreign_data_at_the_location_is_never_touched(client, tmp_path, X):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    for kw in ({"p_store": str(target)}, {"p_store": str(target), "overwrite": True}):
+        with pytest.raises(FileExistsError, match="not a dkicf P store"):
+            incomplete_cholesky(da.from_array(X, chunks=450), gamma=1.0, max_rank=3,
+                                client=client, **kw)
+    assert (target / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
+
+
+def test_block_pivoting_with_p_store_is_refused(tmp_path, client, X):
+    with pytest.raises(ValueError, match="pivoting='greedy' only"):
+        incomplete_cholesky(da.from_array(X, chunks=450), gamma=1.0, client=client,
+                            p_store=str(tmp_path / "P.zarr"), pivoting="block-greedy")
