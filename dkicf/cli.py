@@ -196,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-init", type=_positive_int, default=3)
     p.add_argument("--max-iter", type=_positive_int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", metavar="URL",
+                   help="Zarr group to checkpoint the factorization in (resumable)")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=25,
+                   help="iterations between checkpoints (default: 25)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint (refused if data or parameters differ)")
     p.add_argument("--p-storage", choices=["auto", "memory", "zarr"], default="auto",
                    help="keep P in worker memory or write it to Zarr beside the output")
     p.add_argument("--persist", choices=["auto", "yes", "no"], default="auto",
@@ -414,7 +420,8 @@ def _cmd_fit(args) -> int:
         report = fit_store(
             args.store, args.out, params, client=client, overwrite=args.overwrite,
             p_storage=args.p_storage, persist=args.persist, storage_options=storage_options,
-            progress=progress,
+            progress=progress, checkpoint=args.checkpoint,
+            checkpoint_every=args.checkpoint_every, resume=args.resume,
         )
     progress.close()
     _print_report(report)
@@ -510,6 +517,8 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dkicf`` command."""
+    from .errors import DkicfError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.debug:
@@ -528,11 +537,16 @@ def main(argv: list[str] | None = None) -> int:
         print("dkicf: interrupted", file=sys.stderr)
         return 130
     except (UsageError, ValueError, TypeError, FileNotFoundError, FileExistsError,
-            PermissionError, ConnectionError, ImportError) as exc:
+            PermissionError, ConnectionError, ImportError, MemoryError) as exc:
         if args.debug:
             raise
         print(f"dkicf {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except DkicfError as exc:  # e.g. a task that kept killing its workers
+        if args.debug:
+            raise
+        print(f"dkicf {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback
         if args.debug:
             raise

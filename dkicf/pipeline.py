@@ -137,13 +137,16 @@ def _worker_resources(client) -> tuple[int | None, int, int]:
     return limit, len(workers), threads
 
 
-def _p_store_arg(plan: FitPlan, target: str) -> dict:
-    """Where the factorization keeps P: worker memory, or the output group's ``P``."""
-    if plan.p_storage != "zarr":
-        return {}
+def _storage_args(plan: FitPlan, target: str, checkpoint, every, resume, options) -> dict:
+    """Where the factorization keeps P: worker memory, the output group, or the checkpoint."""
     from . import io
 
-    return {"p_store": io._join(target, "P")}
+    if checkpoint is not None:
+        return {"checkpoint": checkpoint, "checkpoint_every": every, "resume": resume,
+                "storage_options": options}
+    if plan.p_storage != "zarr":
+        return {}
+    return {"p_store": io._join(target, "P"), "storage_options": options}
 
 
 def _contingency(labels, y, n_clusters: int):
@@ -174,8 +177,15 @@ def fit_store(
     persist: str = "auto",
     storage_options: dict | None = None,
     progress=None,
+    checkpoint: str | None = None,
+    checkpoint_every: int = 25,
+    resume: bool = False,
 ) -> dict:
     """Fit :class:`~dkicf.KernelKMeans` on a Zarr dataset and write the output group.
+
+    With ``checkpoint`` (a Zarr group), the factorization commits its state
+    every ``checkpoint_every`` iterations and holds P there; ``resume=True``
+    continues a fit that stopped, refusing different data or parameters.
 
     The output group holds the model (pivots, pivot rows of X, L, centres,
     trace errors, kernel and parameters, versions, input fingerprint) and the
@@ -219,7 +229,9 @@ def fit_store(
             X, kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
             max_rank=model.rank, tol=model.tol, pivoting=model.pivoting, client=client,
             persist=plan.persist_x,
-            random_state=icf_seed, progress=progress, **_p_store_arg(plan, target),
+            random_state=icf_seed, progress=progress,
+            **_storage_args(plan, target, checkpoint, checkpoint_every, resume,
+                            storage_options),
         )
         t_icf = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -237,7 +249,7 @@ def fit_store(
         t0 = time.perf_counter()
         io.write_dask(target, "labels", km.labels.astype(np.int32),
                       storage_options=storage_options)
-        if plan.p_storage != "zarr":
+        if plan.p_storage != "zarr" or checkpoint is not None:
             io.write_dask(target, "P", icf.P, storage_options=storage_options)
         io.write_members(target, arrays, attrs, storage_options=storage_options)
         t_write = time.perf_counter() - t0
@@ -259,6 +271,8 @@ def fit_store(
         "total_s": time.perf_counter() - t_start,
         "out": out,
     }
+    if icf.info.get("resumed_from") is not None:
+        report["resumed_from_rank"] = icf.info["resumed_from"]
     if y is not None:
         table = _contingency(km.labels, y, model.n_clusters)
         report["accuracy"] = _accuracy_from_contingency(table)
