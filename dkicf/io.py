@@ -626,28 +626,11 @@ def check_writable(url, *, overwrite: bool = False, storage_options: dict | None
 @contextlib.contextmanager
 def _staged(url: str, *, overwrite: bool, storage_options: dict | None):
     """Yield a store to write a new node into; publish it at ``url`` on success only."""
-    check_writable(url, overwrite=overwrite, storage_options=storage_options)
-    local = _local_path(url)
-    if local is None:
-        fs, path = _fs(url, storage_options)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-        try:
+    with staged_group(url, overwrite=overwrite, storage_options=storage_options) as where:
+        if _local_path(url) is None:
             yield _store(url, storage_options, read_only=False)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                if fs.exists(path):
-                    fs.rm(path, recursive=True)
-            raise
-        return
-    local = local.absolute()
-    local.parent.mkdir(parents=True, exist_ok=True)
-    tmp = local.parent / f".{local.name}.dkicf-tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        yield LocalStore(tmp)
-        _publish(tmp, local, url, overwrite=overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            yield LocalStore(where)
 
 
 def _publish(tmp: Path, dst: Path, url: str, *, overwrite: bool) -> None:

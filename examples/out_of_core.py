@@ -24,7 +24,7 @@ def main(argv=None):
 
     store = Path(args.workdir) / "blobs.zarr"
     # Written chunk by chunk: the full dataset is never materialised.
-    io.generate("blobs", str(store), args.n, n_features=8, n_classes=5, random_state=0,
+    io.generate("blobs", str(store), args.n, n_features=8, centers=5, random_state=0,
                 overwrite=True)
 
     client = dkicf.local_cluster(n_workers=2, threads_per_worker=1,

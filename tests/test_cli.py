@@ -165,7 +165,7 @@ def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
 
     n, d = 1_000_000, 128
     io.generate("blobs", str(tmp_path / "big.zarr"), n, n_features=d, centers=4,
-                chunk_rows=32768, dtype="float32", random_state=0)
+                chunk_rows=16384, dtype="float32", random_state=0)
     data_bytes = n * d * 4
     limit = 256 * 2**20
     # No pausing or spilling: if memory grew with the data the worker would be

@@ -597,7 +597,9 @@ def test_group_round_trip_over_urls(tmp_path, scheme):
                          "created_by": f"dkicf {__version__}"}
     arr = io.open_array(f"{url}/centers")
     np.testing.assert_array_equal(arr[...], arrays["centers"])
-    np.testing.assert_array_equal(io.as_dask(f"{url}/centers").compute(), arrays["centers"])
+    # memory:// lives in this process only: compute here, not on a cluster another test started.
+    np.testing.assert_array_equal(io.as_dask(f"{url}/centers").compute(scheduler="sync"),
+                                  arrays["centers"])
     with pytest.raises(DkicfIOError, match="already exists"):
         io.write_group(url, {}, {})
     io.write_group(url, {"w": np.ones(2)}, {"v": 2}, overwrite=True)
@@ -612,7 +614,7 @@ def test_dataset_over_memory_url():
     io.generate("ring", url, 500, chunk_rows=128, overwrite=True)
     X, y, info = io.open_dataset(url)
     assert X.chunks[0] == (128, 128, 128, 116) and y.chunks == X.chunks[:1]
-    np.testing.assert_array_equal(X.compute(), synthetic.make_ring(500)[0])
+    np.testing.assert_array_equal(X.compute(scheduler="sync"), synthetic.make_ring(500)[0])
     assert info["url"] == url and info["chunk_rows"] == 128
 
 
