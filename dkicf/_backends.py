@@ -186,7 +186,17 @@ class DaskBackend:
         self._x_arrays = [X.blocks[j] for j in range(X.numblocks[0])]
         self.persist = persist
         self._x_step = None
-        self._x_futs = self.client.compute(self._x_blocks) if persist else None
+        self._x_futs = None
+        if persist:
+            # Each chunk copied once into memory the worker allocated itself:
+            # chunks unpickled from a transfer can sit in buffers that BLAS
+            # reads at half speed, and every pass reads them.
+            raw = self.client.compute(self._x_blocks)
+            self._x_futs = [
+                self.client.submit(_own_copy, r, key=f"icf-x-{self.token}-{j}")
+                for j, r in enumerate(raw)
+            ]
+            del raw
         self.step = 0
         if restore is None:
             self.states = [
@@ -407,6 +417,10 @@ class DaskBackend:
 
 def _identity(x):
     return x
+
+
+def _own_copy(x) -> np.ndarray:
+    return np.array(x, order="C", copy=True)
 
 
 def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool):
