@@ -34,7 +34,7 @@ class NumpyBackend:
     iteration, the bandwidth floor of the method.
     """
 
-    _BLOCK_ROWS = _chunk.ROW_BLOCK
+    _BLOCK_ROWS = 4 * _chunk.ROW_BLOCK
 
     def __init__(
         self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None,
