@@ -1167,3 +1167,55 @@ def test_dockerfile_is_pinned_non_root_and_passes_commands_through():
         assert not ignored(needed), needed
     for unwanted in (".git", "tests/test_deploy.py", "secrets/tls.key", "ca.pem"):
         assert ignored(unwanted), unwanted
+
+
+def _cli_fit(tmp_path, name, *extra):
+    import zarr
+
+    from dkicf import io
+    from dkicf.synthetic import make_ring
+
+    data = tmp_path / "ring.zarr"
+    if not data.exists():
+        X, y = make_ring(1500, random_state=0)
+        np.savez(tmp_path / "ring.npz", X=X, y=y)
+        io.convert(tmp_path / "ring.npz", data, dtype="float64", chunk_rows=400)
+    out = tmp_path / f"{name}.zarr"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dkicf.cli", "fit", str(data), "--clusters", "2", "--gamma", "16",
+         "--rank", "30", "--out", str(out), "--quiet", *extra],
+        capture_output=True, text=True, timeout=300, env=_child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    group = zarr.open_group(str(out), mode="r")
+    return group["pivots"][...], group["P"][...], group["labels"][...]
+
+
+def test_cli_fit_on_an_existing_scheduler_matches_the_builtin_cluster(processes, tmp_path):
+    scheduler_file, _ = _start_dask(processes, tmp_path)
+    with connect(scheduler_file=scheduler_file, timeout=START_TIMEOUT) as remote:
+        _wait_for_workers(remote, 2, processes)
+        address = remote.scheduler.address
+    pivots, P, labels = _cli_fit(tmp_path, "remote", "--scheduler", address)
+    ref_pivots, ref_P, ref_labels = _cli_fit(tmp_path, "local", "--workers", "2")
+    assert_array_equal(pivots, ref_pivots)
+    assert_allclose(P, ref_P, rtol=0, atol=1e-10)
+    assert_array_equal(labels, ref_labels)
+
+
+def test_cli_fit_over_tls_and_refused_without_certificates(tls_cluster, pki, tmp_path):
+    address = tls_cluster.scheduler.address
+    assert address.startswith("tls://")
+    pivots, _, _ = _cli_fit(
+        tmp_path, "tls", "--scheduler", address, "--tls-ca-file", str(pki / "ca.pem"),
+        *_tls_args(pki, "client")[2:],
+    )
+    assert pivots.shape == (30,)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dkicf.cli", "fit", str(tmp_path / "ring.zarr"), "--clusters",
+         "2", "--out", str(tmp_path / "no.zarr"), "--scheduler", address, "--timeout", "5",
+         "--quiet"],
+        capture_output=True, text=True, timeout=120, env=_child_env(),
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert address.split("://")[1] in proc.stderr
