@@ -16,6 +16,7 @@ with a model.
 
 from __future__ import annotations
 
+import abc
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +39,7 @@ __all__ = [
 _EPS = np.finfo(np.float64).eps
 
 
-class Kernel:
+class Kernel(abc.ABC):
     """Base class of the kernels.
 
     Subclasses implement :meth:`block` and :meth:`diag`; :meth:`prepare` is
@@ -51,10 +52,11 @@ class Kernel:
         """Per-row values that :meth:`block` and :meth:`diag` reuse (or None)."""
         return None
 
+    @abc.abstractmethod
     def diag(self, X: np.ndarray, aux: np.ndarray | None = None) -> np.ndarray:
         """Return ``k(x_i, x_i)`` for every row of ``X``."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
+    @abc.abstractmethod
     def block(
         self,
         A: np.ndarray,
@@ -63,7 +65,6 @@ class Kernel:
         b_aux: np.ndarray | None = None,
     ) -> np.ndarray:
         """Return the kernel block ``K[i, j] = k(A[i], B[j])`` of shape (len(A), len(B))."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
     def roundoff(self, max_sqnorm: float, n_features: int) -> float:
         """Relative size of the rounding error of one kernel entry, in units of eps.
