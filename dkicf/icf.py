@@ -464,20 +464,8 @@ def _greedy_loop(
         "incomplete Cholesky: rank %d, trace error %.3e (from %.3e), stop: %s, %.2f s",
         r, trace, initial_trace, stop, time.perf_counter() - start,
     )
-    return ICFResult(
-        pivots=history.index[:r].copy(),
-        P=P,
-        trace_errors=np.array(trace_errors, dtype=np.float64),
-        residual=residual,
-        L=np.ascontiguousarray(history.L[:r, :r]),
-        pivot_rows=np.ascontiguousarray(history.rows[:r]),
-        kernel=kernel,
-        initial_trace=initial_trace,
-        stop_reason=stop,
-        n_passes=int(summary["n_passes"]),
-        elapsed=time.perf_counter() - start,
-        info={"rank_tol": rank_tol},
-    )
+    return _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop,
+                   summary, start, {"rank_tol": rank_tol})
 
 
 def _rows_per_task(backend, n: int) -> int:
@@ -606,6 +594,19 @@ def _block_loop(
         "stop: %s, %.2f s",
         rule, r, summary["n_passes"], trace, initial_trace, stop, time.perf_counter() - start,
     )
+    info = {
+        "rank_tol": rank_tol,
+        "pivoting": rule,
+        "block_sizes": [b for _, b, _ in blocks],
+        "blocks": blocks,
+    }
+    return _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop,
+                   summary, start, info)
+
+
+def _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop, summary, start,
+            info) -> ICFResult:
+    """The result of a driver loop that stopped at rank ``r``."""
     return ICFResult(
         pivots=history.index[:r].copy(),
         P=P,
@@ -618,10 +619,5 @@ def _block_loop(
         stop_reason=stop,
         n_passes=int(summary["n_passes"]),
         elapsed=time.perf_counter() - start,
-        info={
-            "rank_tol": rank_tol,
-            "pivoting": rule,
-            "block_sizes": [b for _, b, _ in blocks],
-            "blocks": blocks,
-        },
+        info=info,
     )
