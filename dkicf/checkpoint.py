@@ -147,7 +147,8 @@ def _claim(
     if resume:
         return meta
     if not overwrite:
-        hint = "resume=True to continue it, " if kind == _CHECKPOINT else ""
+        resumable = kind == _CHECKPOINT or kind.startswith("state-")
+        hint = "resume=True to continue it, " if resumable else ""
         raise FileExistsError(
             f"a dkicf {what} already exists at {url!r}. Pass {hint}overwrite=True to "
             "replace it, or choose another location."
@@ -620,10 +621,11 @@ class StateCheckpoint:
     For the iterative stages whose state fits in the driver's memory: a few
     arrays (centres, counts) and a JSON-able dict (step, restart, the
     generators' ``bit_generator.state``, running averages).  Each
-    :meth:`save` writes the arrays to the spare buffer (``name_0`` or
-    ``name_1``, never the committed one) and then commits with one write of
-    the group's attributes, so a crash at any point leaves the previous
-    commit intact.
+    :meth:`save` writes the arrays it is given to their spare buffers
+    (``name_0`` or ``name_1``, never the committed one) and then commits
+    with one write of the group's attributes, so a crash at any point leaves
+    the previous commit intact.  An array not given keeps its committed
+    value: what changes rarely is not rewritten at every commit.
 
     Parameters
     ----------
@@ -633,8 +635,12 @@ class StateCheckpoint:
     kind : str
         What is checkpointed (``"kmeans"``); a group of another kind is refused.
     params : dict
-        Fingerprint of the data and parameters (JSON-able values): resuming
-        with different ones is refused with a message naming the differences.
+        Fingerprint of the parameters (JSON-able values): resuming with
+        different ones is refused with a message naming the differences.
+    input : dict, optional
+        Fingerprint of the data, checked the same way: ``shape``, ``dtype``,
+        ``chunks`` (row chunks) and ``digests`` (one per row chunk, as
+        :func:`dkicf._chunk.chunk_digest` gives), or any subset of them.
     resume, overwrite : bool
         As for :func:`dkicf.incomplete_cholesky`.
     storage_options : dict, optional
@@ -654,28 +660,36 @@ class StateCheckpoint:
     (5, [[1.0, 0.0], [0.0, 1.0]])
     """
 
-    def __init__(self, url, kind: str, params: dict, *, resume: bool = False,
-                 overwrite: bool = False, storage_options: dict | None = None):
+    def __init__(self, url, kind: str, params: dict, *, input: dict | None = None,
+                 resume: bool = False, overwrite: bool = False,
+                 storage_options: dict | None = None):
         import zarr
 
         self.url = _location(url, "checkpoint")
         self._kw = _kw(storage_options)
         self.kind = f"state-{kind}"
         self.params = _jsonable(params)
+        input_fp = _jsonable(input or {})
         existing = _claim(self.url, self.kind, overwrite=overwrite, resume=resume,
                           what=f"{kind} checkpoint", options=storage_options)
         if existing is None:
             meta = {"schema": SCHEMA_VERSION, "kind": self.kind,
-                    "fingerprint": {"params": self.params}, "commit": None}
+                    "fingerprint": {"input": input_fp, "params": self.params}, "commit": None}
             try:
                 zarr.create_group(store=self.url, zarr_format=3, attributes={"dkicf": meta},
                                   **self._kw)
             except OSError as exc:
                 raise _create_failed(self.url, f"{kind} checkpoint", exc) from exc
         else:
-            _check_compatible(self.url, existing, self.params, {}, ())
+            _check_compatible(self.url, existing, self.params, input_fp,
+                              input_fp.get("chunks", ()))
             meta = existing
         self.meta = meta
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last commit was marked as the end of the stage."""
+        return bool(self.commit and self.commit["finished"])
 
     @property
     def commit(self) -> dict | None:
@@ -689,24 +703,32 @@ class StateCheckpoint:
         if c is None:
             return None
         group = zarr.open_group(store=self.url, mode="r", **self._kw)
-        arrays = {name: np.asarray(group[f"{name}_{c['buffer']}"][...]) for name in c["arrays"]}
+        arrays = {name: np.asarray(group[f"{name}_{buf}"][...])
+                  for name, buf in c["arrays"].items()}
         return c["step"], arrays, c["state"]
 
     def save(self, step: int, arrays: dict[str, np.ndarray], state: dict,
              finished: bool = False) -> None:
-        """Write ``arrays`` to the spare buffer, then commit ``step`` and ``state``."""
+        """Write ``arrays`` to their spare buffers, then commit ``step`` and ``state``."""
         import zarr
 
-        spare = 1 - self.commit["buffer"] if self.commit else 0
+        buffers = dict(self.commit["arrays"]) if self.commit else {}
         group = zarr.open_group(store=self.url, mode="r+", **self._kw)
         for name, value in arrays.items():
             value = np.asarray(value)
-            arr = group.create_array(f"{name}_{spare}", shape=value.shape, dtype=value.dtype,
-                                     chunks=value.shape or None, overwrite=True)
-            arr[...] = value
+            spare = 1 - buffers[name] if name in buffers else 0
+            key = f"{name}_{spare}"
+            old = group.get(key)
+            if old is None or old.shape != value.shape or old.dtype != value.dtype:
+                # Small arrays, one chunk each, uncompressed: a commit costs a few writes.
+                old = group.create_array(key, shape=value.shape, dtype=value.dtype,
+                                         chunks=value.shape or None, compressors=None,
+                                         overwrite=True)
+            old[...] = value
+            buffers[name] = spare
         _phase("arrays", step)
-        commit = {"step": int(step), "buffer": spare, "arrays": sorted(arrays),
-                  "state": _jsonable(state), "finished": bool(finished)}
+        commit = {"step": int(step), "arrays": buffers, "state": _jsonable(state),
+                  "finished": bool(finished)}
         meta = dict(self.meta, commit=commit)
         group.attrs.update({"dkicf": meta})
         _phase("commit", step)

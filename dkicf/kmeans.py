@@ -31,13 +31,13 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from scipy import sparse
 
-from ._chunk import threadpool_limits
+from ._chunk import chunk_digest, threadpool_limits
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ _BLOCK_ELEMENTS = 1 << 20
 # Restarts whose inertias differ by less than this (relative) are a tie, won by
 # the earlier one: rounding differences between chunkings never pick the run.
 _TIE_RTOL = 1e-12
+# Default steps between checkpoint commits: a commit costs a few small writes,
+# about what a mini-batch step costs; a Lloyd iteration is a pass over P.
+_CHECKPOINT_EVERY = {"minibatch": 100, "lloyd": 5}
 
 
 @dataclass
@@ -121,6 +124,11 @@ class KMeansResult:
         Why the kept run stopped: the centres' movement fell below the
         tolerance, the smoothed batch inertia stopped improving (mini-batch
         only), or the step cap.
+    info : dict
+        With ``checkpoint=``: its location (``"checkpoint"``), where the fit
+        continued from (``"resumed_from"``: ``{"restart": r, "step": s}``, or
+        None for a new fit) and whether the checkpoint already held the
+        finished fit (``"already_finished"``).  Empty otherwise.
     """
 
     cluster_centers: np.ndarray
@@ -130,6 +138,7 @@ class KMeansResult:
     n_steps_total: int
     inertias: list[float]
     stop_reason: str = "max_iter"
+    info: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- block kernels
@@ -267,6 +276,10 @@ class _NumpyBackend:
         labels, stats = _chunk_assign(self.P, 0, centers)
         return labels, [stats]
 
+    def digests(self) -> tuple[tuple[int, ...], list[str]]:
+        """Row chunks and one digest per chunk: the data's fingerprint."""
+        return (self.n,), [chunk_digest(self.P)]
+
     def close(self) -> None:
         pass
 
@@ -337,6 +350,11 @@ class _DaskBackend:
             ]
         )
         return labels, stats
+
+    def digests(self) -> tuple[tuple[int, ...], list[str]]:
+        """Row chunks and one digest per chunk, hashed where the chunks live."""
+        futs = [self._submit("digest", chunk_digest, j) for j in range(len(self.chunks))]
+        return self.chunks, self.client.gather(futs)
 
     def close(self) -> None:
         self.blocks = None
@@ -430,25 +448,47 @@ def _minibatch_step(x, centers, counts, rng, reseed: bool):
     return new, float(d2.sum())
 
 
-def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rng, report):
+def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0) -> deque:
+    """Draw the row indices of ``m`` batches; fetch the rows of all but the first ``skip``.
+
+    One draw per step, so the batches do not depend on how many are fetched
+    at once; a resumed run redraws a whole fetch to leave the generator where
+    the uninterrupted run left it, and fetches only the batches still to come.
+    """
+    index = np.concatenate([batch_rng.integers(0, backend.n, size=b) for _ in range(m)])
+    if skip >= m:
+        return deque()
+    index = index[skip * b:]
+    rows = backend.rows(index)
+    _check_finite(rows, index)
+    return deque(np.split(rows, m - skip))
+
+
+def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rng, report,
+                   ckpt=None, saved=None):
     n, s = backend.n, backend.s
     k, b = cfg.n_clusters, cfg.batch_size
-    counts = np.zeros(k)
     alpha = min(1.0, 2.0 * b / (n + 1))
-    ewa = ewa_min = None
-    no_improvement = 0
-    since_reseed = 0
     per_fetch = max(1, min(_PREFETCH_ROWS, _PREFETCH_BYTES // (8 * s)) // b)
-    queue: deque = deque()
+    if saved is None:
+        first, counts = 1, np.zeros(k)
+        ewa = ewa_min = None
+        no_improvement = since_reseed = 0
+        fetch, queue = None, deque()
+    else:
+        first, counts = saved["step"] + 1, np.array(saved["counts"], dtype=np.float64)
+        ewa, ewa_min = saved["ewa"], saved["ewa_min"]
+        no_improvement, since_reseed = saved["no_improvement"], saved["since_reseed"]
+        fetch = saved["fetch"]
+        batch_rng.bit_generator.state = fetch["rng"]
+        queue = _fetch_batches(backend, batch_rng, fetch["m"], b, skip=first - fetch["step"])
+        reseed_rng.bit_generator.state = saved["reseed_rng"]
     stop = "max_iter"
-    for step in range(1, cfg.max_iter + 1):
+    for step in range(first, cfg.max_iter + 1):
         if not queue:
             m = min(per_fetch, cfg.max_iter - step + 1)
-            # One draw per step: the batches do not depend on how many are fetched at once.
-            index = np.concatenate([batch_rng.integers(0, n, size=b) for _ in range(m)])
-            rows = backend.rows(index)
-            _check_finite(rows, index)
-            queue.extend(np.split(rows, m))
+            fetch = {"step": step, "m": m, "rng": batch_rng.bit_generator.state}
+            queue = _fetch_batches(backend, batch_rng, m, b)
         x = queue.popleft()
         since_reseed += b
         reseed = bool((counts == 0).any()) or since_reseed >= 10 * k
@@ -462,18 +502,23 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
         if step > 1:
             ewa = mean_inertia if ewa is None else ewa * (1 - alpha) + mean_inertia * alpha
         report(step, n * (mean_inertia if ewa is None else ewa), shift)
-        if step == 1:
-            continue
-        if cfg.tol > 0 and shift <= tol_abs:
-            stop = "tol"
-            break
-        if ewa_min is None or ewa < ewa_min:
-            ewa_min, no_improvement = ewa, 0
-        else:
-            no_improvement += 1
-        if cfg.max_no_improvement is not None and no_improvement >= cfg.max_no_improvement:
-            stop = "no_improvement"
-            break
+        if step > 1:
+            if cfg.tol > 0 and shift <= tol_abs:
+                stop = "tol"
+                break
+            if ewa_min is None or ewa < ewa_min:
+                ewa_min, no_improvement = ewa, 0
+            else:
+                no_improvement += 1
+            if cfg.max_no_improvement is not None and no_improvement >= cfg.max_no_improvement:
+                stop = "no_improvement"
+                break
+        if ckpt is not None and ckpt.due(step, cfg.max_iter):
+            ckpt.save(step, {"centers": centers, "counts": counts}, {
+                "step": step, "tol_abs": tol_abs, "ewa": ewa, "ewa_min": ewa_min,
+                "no_improvement": no_improvement, "since_reseed": since_reseed,
+                "fetch": fetch, "reseed_rng": reseed_rng.bit_generator.state,
+            })
     return centers, step, stop
 
 
@@ -505,10 +550,11 @@ def _relocate_empty(backend, sums, counts, parts, n_far: int) -> None:
         counts[j] = 1
 
 
-def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report):
+def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report, ckpt=None, saved=None):
     k, s = centers.shape
     stop = "max_iter"
-    for it in range(1, cfg.max_iter + 1):
+    first = 1 if saved is None else saved["step"] + 1
+    for it in range(first, cfg.max_iter + 1):
         parts = backend.lloyd_pass(centers, k)
         sums = np.zeros((k, s))
         counts = np.zeros(k, dtype=np.int64)
@@ -526,20 +572,167 @@ def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report):
         if shift <= tol_abs:
             stop = "tol"
             break
+        if ckpt is not None and ckpt.due(it, cfg.max_iter):
+            ckpt.save(it, {"centers": centers}, {"step": it, "tol_abs": tol_abs})
     return centers, it, stop
 
 
-def _fit(backend, cfg: _Config, random_state, progress) -> KMeansResult:
+# --------------------------------------------------------------------------- checkpoints
+
+
+@dataclass
+class _Best:
+    """The run with the lowest full-pass inertia so far."""
+
+    centers: np.ndarray
+    counts: np.ndarray
+    inertia: float
+    n_iter: int
+    stop: str
+    restart: int
+    labels: Any = None  # None when the run finished before a resume
+
+
+@dataclass
+class _Runs:
+    """What the runs so far leave behind: the state between two runs."""
+
+    seeds: list[int]
+    restart: int = 0
+    inertias: list[float] = field(default_factory=list)
+    n_steps_total: int = 0
+    best: _Best | None = None
+
+
+class _Checkpointer:
+    """The commits of one k-means fit: every ``every`` steps of a run, and after each run.
+
+    A commit holds the runs so far (their seeds, full-pass inertias, step
+    count and best centres) and, in the middle of a run, that run's own
+    state: step, centres, counts, the generators' states and the stopping
+    counters.  The best centres are written only when they change.
+    """
+
+    def __init__(self, store, every: int):
+        self.store, self.every = store, every
+        self.runs: _Runs | None = None
+        self._best_saved = None
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    def due(self, step: int, max_iter: int) -> bool:
+        """Whether to commit after ``step`` (never after a run's last: the run's end commits)."""
+        return step % self.every == 0 and step < max_iter
+
+    def save(self, step: int = 0, arrays: dict | None = None, run: dict | None = None) -> None:
+        """Commit the runs so far and, with ``run``, the state of the current run at ``step``."""
+        runs = self.runs
+        arrays = dict(arrays or {})
+        best = runs.best
+        if best is not None and best is not self._best_saved:
+            arrays.update(best_centers=best.centers, best_counts=best.counts)
+        state = {
+            "seeds": runs.seeds, "restart": runs.restart, "inertias": runs.inertias,
+            "n_steps_total": runs.n_steps_total, "run": run,
+            "best": None if best is None else {
+                "inertia": best.inertia, "n_iter": best.n_iter, "stop": best.stop,
+                "restart": best.restart,
+            },
+        }
+        finished = run is None and runs.restart == len(runs.seeds)
+        self.store.save(runs.n_steps_total + step, arrays, state, finished=finished)
+        self._best_saved = best
+
+    def restore(self, runs: _Runs) -> tuple[dict | None, dict]:
+        """Load the last commit into ``runs`` and keep them to commit later.
+
+        Returns the state of the run the commit interrupted (None at a run
+        boundary) and what the result's ``info`` records.
+        """
+        self.runs = runs
+        loaded = self.store.load()
+        info = {"checkpoint": self.url, "resumed_from": None, "already_finished": False}
+        if loaded is None:
+            logger.info("no k-means commit at %s yet: starting from the first run", self.url)
+            return None, info
+        _, arrays, state = loaded
+        runs.seeds = [int(v) for v in state["seeds"]]
+        runs.restart, runs.n_steps_total = state["restart"], state["n_steps_total"]
+        runs.inertias = [float(v) for v in state["inertias"]]
+        if state["best"] is not None:
+            runs.best = _Best(centers=arrays["best_centers"], counts=arrays["best_counts"],
+                              **state["best"])
+            self._best_saved = runs.best
+        run = state["run"]
+        step = 0 if run is None else run["step"]
+        info["resumed_from"] = {"restart": runs.restart, "step": step}
+        if self.store.finished:
+            info["already_finished"] = True
+            logger.info(
+                "the k-means checkpoint at %s holds a finished fit (%d runs, best inertia "
+                "%.6e); nothing to do but one assignment pass for the labels",
+                self.url, len(runs.seeds), runs.best.inertia,
+            )
+            return None, info
+        logger.info("resuming k-means from %s: run %d/%d at step %d",
+                    self.url, runs.restart + 1, len(runs.seeds), step)
+        if run is None:
+            return None, info
+        return dict(run, centers=arrays["centers"], counts=arrays.get("counts")), info
+
+
+def _seed_fingerprint(random_state, seeds) -> int | str | None:
+    """How ``random_state`` shows in the fingerprint: the seed itself, or the runs' seeds.
+
+    None draws fresh seeds: a fit resumed with None continues with the
+    seeds its checkpoint saved.
+    """
+    if random_state is None:
+        return None
+    if isinstance(random_state, numbers.Integral) and not isinstance(random_state, bool):
+        return int(random_state)
+    return f"{type(random_state).__name__} giving seeds {chunk_digest(np.asarray(seeds))[:12]}"
+
+
+def _open_checkpoint(backend, P, cfg: _Config, seed, url, every, resume: bool,
+                     overwrite: bool, storage_options) -> _Checkpointer:
+    """Claim (or open, to resume) the checkpoint after fingerprinting P on its workers."""
+    from .checkpoint import StateCheckpoint
+
+    params = {
+        "n_clusters": cfg.n_clusters, "algorithm": cfg.algorithm,
+        "init": "k-means++" if cfg.init is None else f"array {chunk_digest(cfg.init)}",
+        "batch_size": cfg.batch_size, "n_init": cfg.n_init, "max_iter": cfg.max_iter,
+        "tol": cfg.tol, "max_no_improvement": cfg.max_no_improvement,
+        "init_size": cfg.init_size, "random_state": seed,
+    }
+    chunks, digests = backend.digests()
+    data = {"shape": [backend.n, backend.s], "chunks": list(chunks),
+            "dtype": str(np.dtype(P.dtype)), "digests": digests}
+    store = StateCheckpoint(url, "kmeans", params, input=data, resume=resume,
+                            overwrite=overwrite, storage_options=storage_options)
+    return _Checkpointer(store, every)
+
+
+# --------------------------------------------------------------------------- the fit
+
+
+def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None = None):
     start = time.perf_counter()
-    rng = np.random.default_rng(random_state)
-    seeds = rng.integers(np.iinfo(np.int64).max, size=cfg.n_init)
-    inertias: list[float] = []
-    n_steps_total = 0
-    best = None
-    for restart, seed in enumerate(seeds):
-        init_ss, batch_ss, reseed_ss = np.random.SeedSequence(int(seed)).spawn(3)
-        centers, variance = _initial_centers(backend, cfg, np.random.default_rng(init_ss))
-        tol_abs = cfg.tol * variance
+    runs = _Runs(seeds=[int(v) for v in seeds])
+    saved, info = None, {}
+    if ckpt is not None:
+        saved, info = ckpt.restore(runs)
+    for restart in range(runs.restart, cfg.n_init):
+        runs.restart = restart
+        init_ss, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
+        if saved is None:
+            centers, variance = _initial_centers(backend, cfg, np.random.default_rng(init_ss))
+            tol_abs = cfg.tol * variance
+        else:  # resumed in the middle of this run
+            centers, tol_abs = saved["centers"], saved["tol_abs"]
 
         def report(step, inertia, shift, restart=restart):
             if progress is not None:
@@ -552,23 +745,32 @@ def _fit(backend, cfg: _Config, random_state, progress) -> KMeansResult:
                 )
 
         if cfg.algorithm == "lloyd":
-            centers, n_iter, stop = _run_lloyd(backend, centers, cfg, tol_abs, report)
+            centers, n_iter, stop = _run_lloyd(backend, centers, cfg, tol_abs, report,
+                                               ckpt, saved)
         else:
             centers, n_iter, stop = _run_minibatch(
                 backend, centers, cfg, tol_abs,
                 np.random.default_rng(batch_ss), np.random.default_rng(reseed_ss), report,
+                ckpt, saved,
             )
-        n_steps_total += n_iter
+        saved = None
+        runs.n_steps_total += n_iter
         labels, inertia, counts = _full_pass(backend, centers)
-        inertias.append(inertia)
+        runs.inertias.append(inertia)
         logger.info(
             "k-means (%s) run %d/%d: %d steps, stop: %s, inertia %.6e",
             cfg.algorithm, restart + 1, cfg.n_init, n_iter, stop, inertia,
         )
-        if best is None or inertia < best[2] * (1 - _TIE_RTOL):
-            best = (centers, labels, inertia, n_iter, stop, counts)
-    centers, labels, inertia, n_iter, stop, counts = best
-    n_found = int(np.count_nonzero(counts))
+        if runs.best is None or inertia < runs.best.inertia * (1 - _TIE_RTOL):
+            runs.best = _Best(centers, counts, inertia, n_iter, stop, restart, labels)
+        runs.restart = restart + 1
+        if ckpt is not None:
+            ckpt.save()
+    best = runs.best
+    labels = best.labels
+    if labels is None:  # the best run ended before a resume: its labels are one pass away
+        labels, _, _ = _full_pass(backend, best.centers)
+    n_found = int(np.count_nonzero(best.counts))
     if n_found < cfg.n_clusters:
         warnings.warn(
             f"only {n_found} of n_clusters={cfg.n_clusters} clusters have points: P has too "
@@ -577,13 +779,14 @@ def _fit(backend, cfg: _Config, random_state, progress) -> KMeansResult:
             stacklevel=3,
         )
     return KMeansResult(
-        cluster_centers=centers,
+        cluster_centers=best.centers,
         labels=labels,
-        inertia=inertia,
-        n_iter=n_iter,
-        n_steps_total=n_steps_total,
-        inertias=inertias,
-        stop_reason=stop,
+        inertia=best.inertia,
+        n_iter=best.n_iter,
+        n_steps_total=runs.n_steps_total,
+        inertias=runs.inertias,
+        stop_reason=best.stop,
+        info=info,
     )
 
 
@@ -674,6 +877,11 @@ def kmeans(
     random_state: int | np.random.Generator | None = None,
     client=None,
     progress: Callable[[KMeansProgress], None] | None = None,
+    checkpoint: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
 ) -> KMeansResult:
     """K-means on the rows of P, in memory or on a dask cluster.
 
@@ -741,6 +949,26 @@ def kmeans(
         Cluster for a dask P (default: the current client).  Unused for numpy.
     progress : callable, optional
         Called with a :class:`KMeansProgress` after each step or iteration.
+    checkpoint : str, optional
+        Zarr group (local path or fsspec URL) where the fit commits its state
+        every ``checkpoint_every`` steps of a run and after each run: the
+        run, its step, centres and counts, the generators' states, the
+        stopping counters, and the best run so far.  A driver that crashes
+        resumes from it with ``resume=True`` and ends with exactly the
+        centres, labels and inertia of an uninterrupted fit.  Creating it
+        fingerprints P (one digest per row chunk, computed where the chunk is).
+    checkpoint_every : int, optional
+        Mini-batch steps or Lloyd iterations between commits within a run;
+        default 100 steps or 5 iterations.
+    resume : bool, default=False
+        Continue the checkpoint at ``checkpoint`` (start it if there is none).
+        A checkpoint that holds a finished fit gives its result with no step
+        run, after one assignment pass for the labels.
+    overwrite : bool, default=False
+        Replace an existing dkicf k-means checkpoint (never anything that
+        dkicf did not create).
+    storage_options : dict, optional
+        fsspec options (credentials, endpoint) of ``checkpoint``.
 
     Returns
     -------
@@ -751,6 +979,12 @@ def kmeans(
     ValueError
         For an invalid parameter (the message names it and its value) or a
         P holding NaN or infinity.
+    dkicf.errors.CheckpointMismatchError
+        When resuming a checkpoint written for other data or parameters; the
+        message names each difference.
+    FileExistsError
+        When ``checkpoint`` holds something else than a dkicf k-means
+        checkpoint, or one exists and neither ``resume`` nor ``overwrite`` is set.
 
     Examples
     --------
@@ -780,9 +1014,25 @@ def kmeans(
         n, s, n_clusters, algorithm, init, batch_size, n_init, max_iter, tol,
         max_no_improvement, init_size, progress,
     )
+    for name, flag in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}.")
+    if resume and checkpoint is None:
+        raise ValueError("resume=True needs checkpoint=, the location to resume from.")
+    if checkpoint_every is None:
+        checkpoint_every = _CHECKPOINT_EVERY[cfg.algorithm]
+    checkpoint_every = check_positive_int(checkpoint_every, "checkpoint_every")
+    seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max,
+                                                         size=cfg.n_init)
     backend = _backend(P, client)
     try:
-        return _fit(backend, cfg, random_state, progress)
+        ckpt = None
+        if checkpoint is not None:
+            ckpt = _open_checkpoint(
+                backend, P, cfg, _seed_fingerprint(random_state, seeds), checkpoint,
+                checkpoint_every, resume, overwrite, storage_options,
+            )
+        return _fit(backend, cfg, seeds, progress, ckpt)
     finally:
         backend.close()
 
