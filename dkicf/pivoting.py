@@ -164,7 +164,9 @@ def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: Candidat
     """Per-column sums of squares of P[:, lo:hi] and this chunk's candidates.
 
     Runs as ``backend.map_chunks(chunk_block_stats, lo, hi, request)``; reads
-    the chunk's state only (not X), so it is not a pass over the data.
+    the chunk's state only (not X), so it is not a pass over the data.  With P
+    kept in Zarr, the columns come from :meth:`~dkicf._chunk.ChunkState.columns`:
+    those the block's update already flushed are read back from Zarr.
 
     Returns
     -------
@@ -173,8 +175,11 @@ def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: Candidat
     (``"top"``, to sort in decreasing order) or arrival times (``"race"``,
     increasing), with global row indices.
     """
-    P = state.P[:, lo:hi]
-    out = {"colsq": np.einsum("ij,ij->j", P, P) if hi > lo else np.empty(0)}
+    if hi > lo:
+        P = state.columns(lo, hi)
+        out = {"colsq": np.einsum("ij,ij->j", P, P)}
+    else:
+        out = {"colsq": np.empty(0)}
     e = state.e
     if request.count == 0 or e.shape[0] == 0:
         out["key"], out["index"] = np.empty(0), np.empty(0, dtype=np.int64)
@@ -679,6 +684,14 @@ class BlockSizer:
         else:
             self.m = min(n, self.b_cap, 64)
         self.acceptance = 0.5
+
+    def state(self) -> dict:
+        """The adapted sizes, for a checkpoint (everything else follows from the parameters)."""
+        return {"m": int(self.m), "acceptance": float(self.acceptance)}
+
+    def restore(self, state: dict) -> None:
+        """Continue from :meth:`state` (a resumed run then sizes its blocks as the original)."""
+        self.m, self.acceptance = int(state["m"]), float(state["acceptance"])
 
     def block_max(self, rank: int) -> int:
         return max(1, min(self.b_cap, self.capacity - rank))
