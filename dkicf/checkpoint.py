@@ -243,10 +243,19 @@ def _describe_differences(saved: dict, now: dict, chunks) -> list[str]:
 
 class _Storage:
     """What the driver calls: ``begin`` before the loop, ``step`` after each
-    iteration, ``finish`` after the last one.  The base class only keeps P in Zarr."""
+    iteration, ``finish`` after the last one.  The base class only keeps P in Zarr.
+
+    ``step`` and ``finish`` take, from the block rules' loop, ``iteration``
+    (passes so far; default: one per trace error, as for ``"greedy"``) and
+    ``driver``, the loop's own JSON-able state, which a resumed run reads back
+    from ``driver_state``.  ``finish`` takes ``rank``, the result's rank when
+    ``tol`` was met inside the last block (the factor in storage goes on to
+    the end of that block).
+    """
 
     finished = False
     restore_point = None
+    driver_state = None
 
     def __init__(self, spec: _chunk.StoreSpec | None):
         self.p_spec = spec
@@ -262,20 +271,22 @@ class _Storage:
     def begin(self, history, trace_errors, initial_trace, rank_tol):
         return initial_trace, rank_tol, initial_trace
 
-    def step(self, history, trace_errors, summary) -> None:
+    def step(self, history, trace_errors, summary, *, iteration=None, driver=None) -> None:
         pass
 
-    def finish(self, history, trace_errors, stop, summary) -> None:
+    def finish(self, history, trace_errors, stop, summary, *, rank=None, iteration=None,
+               driver=None) -> None:
         pass
 
 
 class PStore(_Storage):
     """P of one fit in a Zarr array; its attributes describe the fit once it is done."""
 
-    def finish(self, history, trace_errors, stop, summary) -> None:
+    def finish(self, history, trace_errors, stop, summary, *, rank=None, iteration=None,
+               driver=None) -> None:
         import zarr
 
-        r = history.rank
+        r = history.rank if rank is None else rank
         self.backend.write_p(self.p_spec, r)  # the tails: P is complete before it says so
         arr = zarr.open_array(store=self.p_spec.root, mode="r+", **self.p_spec.zarr_kwargs())
         meta = dict(arr.attrs.asdict()["dkicf"])
@@ -307,6 +318,7 @@ class Checkpoint(_Storage):
         self._resumed_from = commit["rank"] if commit else None
         if commit and not self.finished:
             self.restore_point = (spec, self._point(commit))
+            self.driver_state = commit.get("driver")
 
     @staticmethod
     def _point(commit: dict) -> dict:
@@ -350,19 +362,23 @@ class Checkpoint(_Storage):
         trace = trace_errors[-1] if trace_errors else c["initial_trace"]
         return c["initial_trace"], c["rank_tol"], trace
 
-    def step(self, history, trace_errors, summary) -> None:
-        if len(trace_errors) - self._saved_iteration >= self.every:
-            self._save(history, trace_errors, summary)
+    def step(self, history, trace_errors, summary, *, iteration=None, driver=None) -> None:
+        it = len(trace_errors) if iteration is None else iteration
+        if it - self._saved_iteration >= self.every:
+            self._save(history, trace_errors, summary, it, driver)
 
-    def finish(self, history, trace_errors, stop, summary) -> None:
-        self._save(history, trace_errors, summary, stop=stop)
+    def finish(self, history, trace_errors, stop, summary, *, rank=None, iteration=None,
+               driver=None) -> None:
+        it = len(trace_errors) if iteration is None else iteration
+        self._save(history, trace_errors, summary, it, driver, stop=stop, result_rank=rank)
 
     # ------------------------------------------------------------------ writing
 
-    def _save(self, history, trace_errors, summary, stop: str | None = None) -> None:
+    def _save(self, history, trace_errors, summary, it: int, driver: dict | None = None,
+              stop: str | None = None, result_rank: int | None = None) -> None:
         import zarr
 
-        it, r = len(trace_errors), history.rank
+        r = history.rank
         spec, backend = self.ckpt_spec, self.backend
         cb = spec.columns
         backend.write_p(spec, self._saved_rank // cb * cb)
@@ -393,6 +409,10 @@ class Checkpoint(_Storage):
             "stop_reason": stop,
             "elapsed": self._elapsed_before + time.perf_counter() - self._start,
         }
+        if driver is not None:
+            commit["driver"] = driver
+        if result_rank is not None and result_rank < r:
+            commit["result_rank"] = int(result_rank)
         meta = dict(self.meta, commit=commit)
         group.attrs.update({"dkicf": meta})  # the commit: one small metadata write
         _phase("commit", it)
@@ -421,7 +441,7 @@ class Checkpoint(_Storage):
         """The result of a finished fit, read back from the checkpoint."""
         import zarr
 
-        from .icf import ICFResult
+        from .icf import ICFResult, cut_factor
 
         c = self.commit
         r = c["rank"]
@@ -438,6 +458,18 @@ class Checkpoint(_Storage):
         else:
             P = np.asarray(group["P"][:, :r])
             residual = np.asarray(group[c["e"]][:])
+        # A block rule that met tol inside its last block: the result is cut there.
+        r = c.get("result_rank", r)
+        P, residual = cut_factor(P, residual, r)
+        info = {
+            "rank_tol": c["rank_tol"], "checkpoint": self.url,
+            "resumed_from": r, "already_finished": True,
+            "elapsed_checkpointed": c["elapsed"],
+        }
+        if c.get("driver") is not None:
+            blocks = [(int(m), int(b), str(why)) for m, b, why in c["driver"]["blocks"]]
+            info.update(pivoting=self.meta["fingerprint"]["params"]["pivoting"],
+                        block_sizes=[b for _, b, _ in blocks], blocks=blocks)
         logger.info(
             "the checkpoint at %s holds a finished factorization (rank %d, stop: %s); "
             "nothing to do", self.url, r, c["stop_reason"],
@@ -454,11 +486,7 @@ class Checkpoint(_Storage):
             stop_reason=c["stop_reason"],
             n_passes=c["n_passes"],
             elapsed=0.0,
-            info={
-                "rank_tol": c["rank_tol"], "checkpoint": self.url,
-                "resumed_from": r, "already_finished": True,
-                "elapsed_checkpointed": c["elapsed"],
-            },
+            info=info,
         )
 
 

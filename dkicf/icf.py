@@ -249,15 +249,19 @@ def incomplete_cholesky(
         created, for a P larger than the cluster's memory.  Each task then
         keeps only its last ``< 32`` columns in memory and streams the others
         from Zarr; ``res.P`` reads the array.  The pivots equal those of the
-        in-memory run and P agrees to rounding.  ``pivoting="greedy"`` only.
+        in-memory run (with any pivot rule) and P agrees to rounding.
     checkpoint : str, optional
         Local path or fsspec URL of a Zarr group where the factorization is
         checkpointed (with dask input, P itself lives there, as with
         ``p_store``).  A driver that crashes resumes from it with
         ``resume=True`` and ends with exactly the pivots and P of an
-        uninterrupted run.  ``pivoting="greedy"`` only.
+        uninterrupted run, with any pivot rule (the block rules commit
+        between blocks, with their adapted sizes and RPCholesky's draw
+        counter).
     checkpoint_every : int, default=25
-        Commit a checkpoint every this many iterations, and at the end.
+        Commit a checkpoint every this many iterations (passes over X: one
+        per pivot for ``"greedy"``, one per block for the block rules), and
+        at the end.
     resume : bool, default=False
         Continue the checkpoint at ``checkpoint`` (start it if there is none).
         It must have been written for the same data and parameters, or the
@@ -302,12 +306,10 @@ def incomplete_cholesky(
     if p_store is not None or checkpoint is not None:
         from .checkpoint import open_storage
 
-        if rule != "greedy":
-            raise ValueError(
-                f"p_store= and checkpoint= support pivoting='greedy' only, got {pivoting!r}."
-            )
         fit = {**kernel_obj.get_params(), "max_rank": max_rank, "tol": tol,
                "rank_tol": rank_tol, "random_state": random_state, "pivoting": rule}
+        if rule != "greedy":  # they shape the blocks, hence the pivots
+            fit.update(block_size=block_size, block_delta=block_delta)
         X, storage = open_storage(
             X, dask_input=dask_input, capacity=capacity, params=fit, p_store=p_store,
             checkpoint=checkpoint, every=checkpoint_every, resume=resume,
@@ -333,7 +335,7 @@ def incomplete_cholesky(
         else:
             result = _block_loop(
                 backend, kernel_obj, n, d, capacity, tol, rank_tol, progress,
-                rule, block_size, block_delta, key,
+                rule, block_size, block_delta, key, storage,
             )
     except worker_failure_types() as exc:
         raise worker_failure(exc, "factorization", backend.step, storage) from exc
@@ -477,7 +479,8 @@ def _rows_per_task(backend, n: int) -> int:
 
 
 def _block_loop(
-    backend, kernel, n, d, capacity, tol, rank_tol, progress, rule, block_size, block_delta, key
+    backend, kernel, n, d, capacity, tol, rank_tol, progress, rule, block_size, block_delta, key,
+    storage=None,
 ) -> ICFResult:
     """Several pivots per pass: ``"block-greedy"`` and ``"rpcholesky"``.
 
@@ -493,6 +496,12 @@ def _block_loop(
     and if the trace error falls to ``tol`` inside a block, the result is cut
     at the pivot where the sequential loop would have stopped (the residual is
     restored by adding back the squares of the dropped columns).
+
+    A checkpoint commits at block boundaries, once the last block's trace
+    errors are known: the history, the trace errors and the loop's own state
+    (:func:`_block_state`: the sizes the blocks adapted to, the RPCholesky
+    key and draw counter, the rounding scales), so that a resumed run asks
+    for the same candidates and chooses the same blocks.
     """
     start = time.perf_counter()
     summary = backend.summary(1, first=True)
@@ -506,9 +515,21 @@ def _block_loop(
     trace_errors: list[float] = []
     blocks: list[tuple[int, int, str]] = []  # (candidates, pivots, why the block ended)
     trace = initial_trace
-    lo = hi = 0  # columns of the block whose per-column sums are still to fetch
-    r = 0  # rank of the result (less than history.rank if tol is met inside a block)
     draw = 0
+    if storage is not None:
+        initial_trace, rank_tol, trace = storage.begin(
+            history, trace_errors, initial_trace, rank_tol
+        )
+        saved = storage.driver_state
+        if saved is not None:  # resumed: the loop continues where the commit left it
+            max_diag, roundoff, draw = saved["max_diag"], saved["roundoff"], saved["draw"]
+            sizer.restore(saved["sizer"])
+            blocks = [(int(m), int(b), str(why)) for m, b, why in saved["blocks"]]
+            if saved["key"] is not None:  # the commit's, also when random_state=None
+                key = np.array([int(k, 16) for k in saved["key"]], dtype=np.uint64)
+    # Columns of the block whose per-column sums are still to fetch (none at a commit).
+    lo = hi = history.rank
+    r = history.rank  # rank of the result (less than history.rank if tol is met inside a block)
     stop = "max_rank"
     while True:
         i = history.rank
@@ -552,6 +573,11 @@ def _block_loop(
         if not float(summary["values"][0]) > rank_tol:
             stop = "numerical_rank"
             break
+        if storage is not None:
+            storage.step(
+                history, trace_errors, summary, iteration=len(blocks),
+                driver=_block_state(max_diag, roundoff, key, draw, sizer, blocks),
+            )
         b_max = sizer.block_max(i)
         m_used = cand.index.shape[0]
         if rule == "block-greedy":
@@ -584,11 +610,12 @@ def _block_loop(
         summary = backend.apply(block, history, 1)
         trace = summary["trace"]
         lo, hi = i, i + b
-    P, residual = backend.result_arrays(history.rank)
-    if r < history.rank:
-        dropped = P[:, r:]
-        residual = residual + (dropped * dropped).sum(axis=1)
-        P = P[:, :r]
+    if storage is not None:
+        storage.finish(
+            history, trace_errors, stop, summary, rank=r, iteration=len(blocks),
+            driver=_block_state(max_diag, roundoff, key, draw, sizer, blocks),
+        )
+    P, residual = cut_factor(*backend.result_arrays(history.rank), r)
     logger.info(
         "incomplete Cholesky (%s): rank %d in %d passes, trace error %.3e (from %.3e), "
         "stop: %s, %.2f s",
@@ -602,6 +629,44 @@ def _block_loop(
     }
     return _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop,
                    summary, start, info)
+
+
+def _block_state(max_diag, roundoff, key, draw, sizer, blocks) -> dict:
+    """The block loop's state that a checkpoint keeps besides the history (JSON-able)."""
+    return {
+        "max_diag": float(max_diag),
+        "roundoff": float(roundoff),
+        "key": None if key is None else [format(int(k), "016x") for k in key],
+        "draw": int(draw),
+        "sizer": sizer.state(),
+        "blocks": [[int(m), int(b), why] for m, b, why in blocks],
+    }
+
+
+def cut_factor(P, residual, r: int):
+    """The factor cut to its first ``r`` columns, and the residual of the cut factor.
+
+    The squares of the dropped columns are added back column after column,
+    so numpy and dask arrays, in any memory order, give the same bits (a
+    finished checkpoint rebuilds the result this way from Zarr).
+    """
+    if P.shape[1] == r:
+        return P, residual
+    dropped = P[:, r:]
+    if is_dask_array(dropped):
+        squares = dropped.rechunk({1: -1}).map_blocks(
+            _squares_by_column, drop_axis=1, meta=np.empty(0, dtype=np.float64)
+        )
+    else:
+        squares = _squares_by_column(dropped)
+    return P[:, :r], residual + squares
+
+
+def _squares_by_column(A) -> np.ndarray:
+    out = A[:, 0] * A[:, 0]
+    for k in range(1, A.shape[1]):
+        out += A[:, k] * A[:, k]
+    return out
 
 
 def _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop, summary, start,

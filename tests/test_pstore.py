@@ -133,9 +133,3 @@ def test_foreign_data_at_the_location_is_never_touched(client, tmp_path, X):
                                 client=client, **kw)
     assert (target / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
-
-
-def test_block_pivoting_with_p_store_is_refused(tmp_path, client, X):
-    with pytest.raises(ValueError, match="pivoting='greedy' only"):
-        incomplete_cholesky(da.from_array(X, chunks=450), gamma=1.0, client=client,
-                            p_store=str(tmp_path / "P.zarr"), pivoting="block-greedy")
