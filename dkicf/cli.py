@@ -197,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-iter", type=_positive_int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", metavar="URL",
-                   help="Zarr group to checkpoint the factorization in (resumable)")
+                   help="Zarr group to checkpoint the factorization and k-means in (resumable)")
     p.add_argument("--checkpoint-every", type=_positive_int, default=25,
-                   help="iterations between checkpoints (default: 25)")
+                   help="factorization iterations between checkpoints (default: 25; k-means "
+                        "commits every 100 steps or 5 Lloyd iterations, and after each run)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint (refused if data or parameters differ)")
     p.add_argument("--p-storage", choices=["auto", "memory", "zarr"], default="auto",

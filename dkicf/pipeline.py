@@ -149,6 +149,16 @@ def _storage_args(plan: FitPlan, target: str, checkpoint, every, resume, options
     return {"p_store": io._join(target, "P"), "storage_options": options}
 
 
+def _kmeans_checkpoint_args(checkpoint, resume, options) -> dict:
+    """The k-means stage checkpoints next to the factorization, in its ``kmeans`` subgroup."""
+    from . import io
+
+    if checkpoint is None:
+        return {}
+    return {"checkpoint": io._join(str(checkpoint), "kmeans"), "resume": resume,
+            "storage_options": options}
+
+
 def _contingency(labels, y, n_clusters: int):
     """k x c counts of (label, class) pairs, reduced chunk by chunk."""
     import dask.array as da
@@ -184,8 +194,10 @@ def fit_store(
     """Fit :class:`~dkicf.KernelKMeans` on a Zarr dataset and write the output group.
 
     With ``checkpoint`` (a Zarr group), the factorization commits its state
-    every ``checkpoint_every`` iterations and holds P there; ``resume=True``
-    continues a fit that stopped, refusing different data or parameters.
+    every ``checkpoint_every`` iterations and holds P there, and k-means
+    commits its own in the subgroup ``kmeans`` (at its default period, and
+    after each run); ``resume=True`` continues a fit that stopped in either
+    stage, refusing different data or parameters.
 
     The output group holds the model (pivots, pivot rows of X, L, centres,
     trace errors, kernel and parameters, versions, input fingerprint) and the
@@ -239,6 +251,7 @@ def fit_store(
             icf.P, model.n_clusters, algorithm=model.algorithm, batch_size=model.batch_size,
             n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
             random_state=km_seed, client=client, progress=progress,
+            **_kmeans_checkpoint_args(checkpoint, resume, storage_options),
         )
         t_km = time.perf_counter() - t0
         model.n_features_in_ = X.shape[1]
@@ -273,6 +286,8 @@ def fit_store(
     }
     if icf.info.get("resumed_from") is not None:
         report["resumed_from_rank"] = icf.info["resumed_from"]
+    if km.info.get("resumed_from") is not None:
+        report["kmeans_resumed_from"] = km.info["resumed_from"]
     if y is not None:
         table = _contingency(km.labels, y, model.n_clusters)
         report["accuracy"] = _accuracy_from_contingency(table)
