@@ -160,11 +160,13 @@ def _claim(
 
 
 def _location(value, name: str) -> str | None:
-    """A path-like or URL as a string."""
+    """A path-like or URL as a string, a local path made absolute (workers share it)."""
+    from .io import absolute_location
+
     if value is None or isinstance(value, str):
-        return value
+        return absolute_location(value)
     if hasattr(value, "__fspath__"):
-        return str(value.__fspath__())
+        return absolute_location(str(value.__fspath__()))
     raise TypeError(f"{name} must be a path or URL string, got {type(value).__name__}.")
 
 

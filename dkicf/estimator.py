@@ -354,6 +354,7 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         """
         from . import io
 
+        path = io.absolute_location(path)
         arrays, attrs = _model_arrays_attrs(self)
         if getattr(self, "labels_", None) is not None:
             arrays["labels"] = np.asarray(self.labels_, dtype=np.int32)
@@ -442,6 +443,7 @@ def load(path, *, storage_options=None) -> KernelKMeans:
     """
     from . import io
 
+    path = io.absolute_location(path)
     arrays, attrs = io.read_group(path, storage_options=storage_options, names=_MODEL_ARRAYS)
     if attrs.get("format") != _MODEL_FORMAT:
         raise ValueError(

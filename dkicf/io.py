@@ -4,6 +4,13 @@ Stores are Zarr v3 (v2 is read too) at a local path or at an fsspec URL
 (``file://``, ``memory://``, ``s3://``, ...; remote protocols need their fsspec
 package, e.g. ``s3fs``).
 
+Locations
+    A relative local path means a path under this process's working
+    directory.  Every function here, and every dkicf entry point that takes a
+    location, makes it absolute (:func:`absolute_location`) before opening
+    anything, so dask workers that run in another directory read and write
+    the same files.  URLs with a scheme are left as they are.
+
 Reading
     :func:`open_array`, :func:`as_dask` and :func:`open_dataset` read the
     store's metadata first and refuse it (:class:`DkicfIOError`) before any
@@ -57,6 +64,7 @@ from .errors import DkicfError
 __all__ = [
     "DkicfIOError",
     "OutputExistsError",
+    "absolute_location",
     "as_dask",
     "check_store_safe",
     "check_writable",
@@ -103,14 +111,58 @@ class OutputExistsError(DkicfIOError, FileExistsError):
 # locations
 
 
-def _local_path(url) -> Path | None:
-    """The filesystem path of a local path or ``file://`` URL, else None."""
+def absolute_location(url):
+    """A store location that means the same thing in every process: local paths made absolute.
+
+    A local path (``~`` expanded) becomes absolute against this process's
+    working directory, and so does the path of a ``file://`` URL.  Other URLs
+    (``s3://``, ``gs://``, ``memory://``, chained ones such as
+    ``simplecache::s3://``) are returned as they are.
+
+    Call it in the process the user works in, before a location is shipped
+    to dask workers: they may run in another working directory, where a
+    relative path names other files (or none).
+
+    Parameters
+    ----------
+    url : str, path-like or None
+        A local path or an fsspec URL.
+
+    Returns
+    -------
+    str or None
+        The location as a string; None for None.
+
+    Examples
+    --------
+    >>> import os
+    >>> absolute_location("data.zarr") == os.path.join(os.getcwd(), "data.zarr")
+    True
+    >>> absolute_location("s3://bucket/data.zarr")
+    's3://bucket/data.zarr'
+    >>> absolute_location("file:///tmp/./data.zarr")
+    'file:///tmp/data.zarr'
+    """
+    if url is None:
+        return None
     text = os.fspath(url)
+    if not isinstance(text, str):
+        raise TypeError(f"a store location must be a path or URL string, got {text!r}.")
     if text.startswith("file://"):
-        return Path(text[len("file://") :]).expanduser()
+        return "file://" + os.path.abspath(os.path.expanduser(text[len("file://") :]))
+    if "://" in text:
+        return text
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def _local_path(url) -> Path | None:
+    """The absolute filesystem path of a local path or ``file://`` URL, else None."""
+    text = absolute_location(url)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :])
     if "://" in text:
         return None
-    return Path(text).expanduser()
+    return Path(text)
 
 
 def _fs(url: str, storage_options: dict | None):
@@ -360,7 +412,7 @@ def _open_checked(
     if isinstance(url_or_array, zarr.Array):
         arr, url = url_or_array, _describe(url_or_array)
     else:
-        url = os.fspath(url_or_array)
+        url = absolute_location(url_or_array)
         node = _probe(url, storage_options)
         if node.kind == "group":
             raise _not_an_array(url, storage_options)
@@ -400,7 +452,7 @@ def open_array(url, *, storage_options: dict | None = None) -> zarr.Array:
     Returns
     -------
     zarr.Array
-        Opened read-only.
+        Opened read-only, at the absolute location (:func:`absolute_location`).
 
     Raises
     ------
@@ -474,9 +526,9 @@ def open_dataset(url, *, storage_options: dict | None = None):
     y : dask.array.Array of shape (n_samples,) or None
         Integer labels with X's row chunks, when the group has ``y``.
     info : dict
-        ``url``, ``shape``, ``chunks``, ``n_samples``, ``n_features``,
-        ``dtype``, ``chunk_rows``, ``label_values`` (or None) and ``attrs``
-        (the group's attributes).
+        ``url`` (absolute, :func:`absolute_location`), ``shape``, ``chunks``,
+        ``n_samples``, ``n_features``, ``dtype``, ``chunk_rows``,
+        ``label_values`` (or None) and ``attrs`` (the group's attributes).
 
     Raises
     ------
@@ -495,7 +547,7 @@ def open_dataset(url, *, storage_options: dict | None = None):
     """
     import dask.array as da
 
-    url = os.fspath(url)
+    url = absolute_location(url)
     node = _probe(url, storage_options)
     if node.kind == "array":
         arr = open_array(url, storage_options=storage_options)
@@ -1787,7 +1839,7 @@ def open_member(url, name: str, *, storage_options: dict | None = None):
     """
     import dask.array as da
 
-    url = os.fspath(url)
+    url = absolute_location(url)
     if name not in _group_arrays(url, storage_options):
         return None
     arr, _ = _open_checked(_join(url, name), storage_options, ndim=None)

@@ -203,11 +203,15 @@ def fit_store(
     trace errors, kernel and parameters, versions, input fingerprint) and the
     ``labels`` and ``P`` arrays chunked like X.
 
+    Relative local paths (``store``, ``out``, ``checkpoint``) are taken in this
+    process's working directory and made absolute before anything is sent to
+    the workers, which may run elsewhere (:func:`dkicf.io.absolute_location`).
+
     Returns
     -------
     dict
         Figures of the run (timings, rank, inertia, accuracy when the dataset
-        has labels).
+        has labels); ``out`` is the absolute location written.
     """
     from . import io
     from .estimator import KernelKMeans, _model_arrays_attrs
@@ -215,6 +219,8 @@ def fit_store(
     from .kmeans import kmeans
 
     t_start = time.perf_counter()
+    store, out = io.absolute_location(store), io.absolute_location(out)
+    checkpoint = io.absolute_location(checkpoint)
     X, y, info = io.open_dataset(store, storage_options=storage_options)
     model = KernelKMeans(**params)
     model._check_params(X.shape[0])
@@ -303,10 +309,15 @@ def predict_store(
     overwrite: bool = False,
     storage_options: dict | None = None,
 ) -> dict:
-    """Assign the points of a Zarr dataset with a saved model; write ``labels`` to ``out``."""
+    """Assign the points of a Zarr dataset with a saved model; write ``labels`` to ``out``.
+
+    Relative local paths are taken in this process's working directory, as in
+    :func:`fit_store`.
+    """
     from . import io
     from .estimator import load
 
+    model_path, store, out = (io.absolute_location(p) for p in (model_path, store, out))
     model = load(model_path, storage_options=storage_options)
     X, y, _ = io.open_dataset(store, storage_options=storage_options)
     if X.shape[1] != model.n_features_in_:
