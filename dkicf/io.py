@@ -45,6 +45,7 @@ import math
 import numbers
 import os
 import shutil
+import socket
 import uuid
 import zipfile
 from collections.abc import Callable, Iterator
@@ -63,6 +64,7 @@ from .errors import DkicfError
 
 __all__ = [
     "DkicfIOError",
+    "MissingChunkError",
     "OutputExistsError",
     "absolute_location",
     "as_dask",
@@ -105,6 +107,14 @@ class DkicfIOError(DkicfError, ValueError):
 
 class OutputExistsError(DkicfIOError, FileExistsError):
     """The destination already exists and overwriting was not asked for."""
+
+
+class MissingChunkError(DkicfIOError):
+    """A chunk of an array is not in its store, or the array is not there for this process.
+
+    Raised in the dask task that reads the chunk and re-raised by the client
+    (a plain :class:`DkicfIOError`, so that it pickles like one).
+    """
 
 
 # --------------------------------------------------------------------------
@@ -181,11 +191,81 @@ def _join(url: str, name: str) -> str:
     return url.rstrip("/") + "/" + name
 
 
-def _store(url: str, storage_options: dict | None, *, read_only: bool):
+_META_KEYS = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
+
+
+class _CheckedReads:
+    """Store mixin for an array at the store's root: no silent fill value for lost data.
+
+    Zarr reads a chunk key that the store lacks as the fill value.  Here a
+    missing chunk key (and only then: a chunk that is found costs nothing
+    more) raises :class:`MissingChunkError` when the array's metadata is
+    not in the store either, i.e. this process does not see the array (a
+    worker on another host, or in another directory for a relative path),
+    and, with ``every_chunk``, whenever a chunk is missing.
+    """
+
+    every_chunk = False
+
+    def with_read_only(self, read_only: bool = False):
+        store = super().with_read_only(read_only)
+        store.every_chunk = self.every_chunk
+        return store
+
+    async def get(self, key, prototype=None, byte_range=None):
+        value = await super().get(key, prototype, byte_range)
+        if value is None and key.rsplit("/", 1)[-1] not in _META_KEYS:
+            await self._missing(key)
+        return value
+
+    async def _missing(self, key: str) -> None:
+        where = self._where()
+        if not (await self.exists("zarr.json") or await self.exists(".zarray")):
+            raise MissingChunkError(
+                f"the Zarr array {where} is not there for the process reading it (host "
+                f"{socket.gethostname()}, working directory {os.getcwd()}): every dask "
+                "worker must see the store the client opened. Put it on a filesystem that "
+                "all workers mount at the same path, or use a URL they can all reach "
+                "(s3://, gs://, ...)."
+            )
+        if self.every_chunk:
+            raise MissingChunkError(
+                f"chunk {key!r} of the Zarr array {where} is missing from the store; dkicf "
+                "does not read a missing chunk of the data as zeros (the fill value). The "
+                "store is incomplete (chunk files deleted or not copied yet): restore it, "
+                "or, if it leaves out chunks equal to the fill value on purpose, rewrite it "
+                "with every chunk written (zarr config array.write_empty_chunks=True)."
+            )
+
+
+class _CheckedLocalStore(_CheckedReads, LocalStore):
+    def _where(self) -> str:
+        return str(self.root)
+
+
+class _CheckedFsspecStore(_CheckedReads, FsspecStore):
+    def _where(self) -> str:
+        protocol = self.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        return f"{protocol}://{self.path.lstrip('/')}"
+
+
+def _store(url: str, storage_options: dict | None, *, read_only: bool,
+           every_chunk: bool | None = None):
+    """A Zarr store at ``url``; with ``every_chunk`` not None, one that checks its reads."""
     local = _local_path(url)
+    if every_chunk is None:
+        if local is not None:
+            return LocalStore(local, read_only=read_only)
+        return FsspecStore.from_url(url, storage_options=storage_options or {},
+                                    read_only=read_only)
     if local is not None:
-        return LocalStore(local, read_only=read_only)
-    return FsspecStore.from_url(url, storage_options=storage_options or {}, read_only=read_only)
+        store = _CheckedLocalStore(local, read_only=read_only)
+    else:
+        store = _CheckedFsspecStore.from_url(url, storage_options=storage_options or {},
+                                             read_only=read_only)
+    store.every_chunk = every_chunk
+    return store
 
 
 @dataclass
@@ -406,9 +486,13 @@ def check_store_safe(arr: zarr.Array, *, name: str | None = None) -> None:
 
 
 def _open_checked(
-    url_or_array, storage_options: dict | None, *, ndim: int | None
+    url_or_array, storage_options: dict | None, *, ndim: int | None, every_chunk: bool = False
 ) -> tuple[zarr.Array, str]:
-    """Open an array after its metadata passed the checks; optionally require ``ndim``."""
+    """Open an array after its metadata passed the checks; optionally require ``ndim``.
+
+    An array opened from a location reads through a store that refuses lost
+    data (:class:`_CheckedReads`; with ``every_chunk``, any missing chunk).
+    """
     if isinstance(url_or_array, zarr.Array):
         arr, url = url_or_array, _describe(url_or_array)
     else:
@@ -419,7 +503,7 @@ def _open_checked(
         _check_meta(url, node.meta, node.zarr_format)
         try:
             arr = zarr.open_array(
-                store=_store(url, storage_options, read_only=True),
+                store=_store(url, storage_options, read_only=True, every_chunk=every_chunk),
                 mode="r",
                 zarr_format=node.zarr_format,
             )
@@ -453,6 +537,8 @@ def open_array(url, *, storage_options: dict | None = None) -> zarr.Array:
     -------
     zarr.Array
         Opened read-only, at the absolute location (:func:`absolute_location`).
+        Reading a chunk that is missing from the store raises
+        :class:`MissingChunkError` instead of giving the fill value.
 
     Raises
     ------
@@ -469,7 +555,7 @@ def open_array(url, *, storage_options: dict | None = None) -> zarr.Array:
     >>> open_array(os.path.join(d, "m.zarr", "X")).shape
     (3, 2)
     """
-    return _open_checked(url, storage_options, ndim=2)[0]
+    return _open_checked(url, storage_options, ndim=2, every_chunk=True)[0]
 
 
 def _dask_chunks(arr: zarr.Array) -> tuple[int, int]:
@@ -493,6 +579,9 @@ def as_dask(url_or_array, *, storage_options: dict | None = None):
     Returns
     -------
     dask.array.Array
+        Opened from a location, its tasks fail with :class:`MissingChunkError`
+        (naming the store) where a chunk, or the whole store, is missing for
+        the worker that reads it; an open array is read as it is.
 
     Examples
     --------
@@ -504,7 +593,7 @@ def as_dask(url_or_array, *, storage_options: dict | None = None):
     """
     import dask.array as da
 
-    arr, _ = _open_checked(url_or_array, storage_options, ndim=2)
+    arr, _ = _open_checked(url_or_array, storage_options, ndim=2, every_chunk=True)
     return da.from_zarr(arr, chunks=_dask_chunks(arr))
 
 
@@ -522,9 +611,12 @@ def open_dataset(url, *, storage_options: dict | None = None):
     Returns
     -------
     X : dask.array.Array of shape (n_samples, n_features)
-        Chunked by rows like the store.
+        Chunked by rows like the store; a task that finds its chunk, or the
+        store, missing fails with :class:`MissingChunkError`.
     y : dask.array.Array of shape (n_samples,) or None
-        Integer labels with X's row chunks, when the group has ``y``.
+        Integer labels with X's row chunks, when the group has ``y``.  A
+        missing chunk of ``y`` reads as the fill value (class 0), as zarr
+        leaves such chunks out by default, but not a store that is missing.
     info : dict
         ``url`` (absolute, :func:`absolute_location`), ``shape``, ``chunks``,
         ``n_samples``, ``n_features``, ``dtype``, ``chunk_rows``,
@@ -1001,12 +1093,17 @@ def _write_dataset(
     storage_options: dict | None,
     progress,
 ) -> None:
+    # Every chunk is written, also one equal to the fill value (an all-zero block
+    # of X, a block of class 0 in y): readers take a missing chunk for lost data.
+    every = {"write_empty_chunks": True}
     with _staged(url, overwrite=overwrite, storage_options=storage_options) as store:
         group = zarr.open_group(store=store, mode="w", zarr_format=3)
-        X = group.create_array("X", shape=(n, d), chunks=(chunk_rows, d), dtype=dtype)
+        X = group.create_array("X", shape=(n, d), chunks=(chunk_rows, d), dtype=dtype,
+                               config=every)
         y = None
         if labelled:
-            y = group.create_array("y", shape=(n,), chunks=(chunk_rows,), dtype=np.int64)
+            y = group.create_array("y", shape=(n,), chunks=(chunk_rows,), dtype=np.int64,
+                                   config=every)
         sink = _RowSink(X, y, chunk_rows, n, url, progress)
         for Xb, yb in blocks:
             sink.push(Xb, yb)

@@ -206,6 +206,8 @@ def fit_store(
     Relative local paths (``store``, ``out``, ``checkpoint``) are taken in this
     process's working directory and made absolute before anything is sent to
     the workers, which may run elsewhere (:func:`dkicf.io.absolute_location`).
+    A chunk of X that a worker cannot find fails the fit
+    (:class:`dkicf.io.MissingChunkError`) instead of being read as zeros.
 
     Returns
     -------
