@@ -73,20 +73,21 @@ class NumpyBackend:
 
     def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1) -> dict:
         st = self.state
+        args = (self.X, st.P, st.e, st.aux, block)
         if self._pool is None:
-            for lo, hi in self.bounds:
-                _chunk.update_rows(self.X, st.P, st.e, st.aux, block, lo, hi)
+            blocks = [_chunk.update_rows(*args, lo, hi) for lo, hi in self.bounds]
         else:
-            futs = [
-                self._pool.submit(_chunk.update_rows, self.X, st.P, st.e, st.aux, block, lo, hi)
-                for lo, hi in self.bounds
-            ]
-            for f in futs:
-                f.result()
+            futs = [self._pool.submit(_chunk.update_rows, *args, lo, hi) for lo, hi in self.bounds]
+            blocks = [f.result() for f in futs]
+        parts = [p for blk in blocks for p in blk]
+        old = len(st.pivots)
         st.pivots = _chunk.finish_block(st.P, st.e, 0, block, st.pivots)
+        _chunk.refresh_row_stats(parts, st.e, st.pivots[old:])
         st.rank += block.index.shape[0]
         st.n_passes += 1
         self.step += 1
+        if m == 1:
+            return _chunk.chunk_stats(st, 1, self.X, rows=True, parts=parts)
         return self.summary(m)
 
     def write_p(self, spec: _chunk.StoreSpec, start: int) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
+import mmap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,6 +50,43 @@ def threadpool_limits(limits: int = 1):
     if _CONTROLLER is None:
         _CONTROLLER = ThreadpoolController()
     return _CONTROLLER.limit(limits=limits, user_api="blas")
+
+
+# Buffers at least this large are mapped with transparent huge pages advised.
+_HUGE_BYTES = 4 << 20
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def empty_columns(n: int, cols: int) -> np.ndarray:
+    """An uninitialised ``(n, cols)`` float64 Fortran-ordered buffer for columns of P.
+
+    Large buffers are anonymous memory maps advised to use transparent huge
+    pages: the factorization touches each column's pages for the first time
+    in the iteration that writes it, and with 4 KiB pages those first-touch
+    faults can cost as much as the iteration itself (virtual machines make
+    each fault expensive).  With 2 MiB pages there are 512 times fewer.
+    """
+    nbytes = 8 * n * cols
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < _HUGE_BYTES or advise is None:
+        return np.empty((n, cols), dtype=_FLOAT, order="F")
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(advise)
+    except OSError:  # huge pages disabled: ordinary pages, same buffer
+        pass
+    # Fault every page in now, in one system call: far cheaper than one trap
+    # per page spread over the iterations.
+    try:
+        buf.madvise(_POPULATE_WRITE)
+    except (OSError, ValueError):  # kernel < 5.14
+        pass
+    return np.frombuffer(buf, dtype=_FLOAT).reshape((n, cols), order="F")
+
+
+def empty_vector(n: int) -> np.ndarray:
+    """An uninitialised float64 vector, huge-page advised when large (see :func:`empty_columns`)."""
+    return empty_columns(n, 1)[:, 0]
 
 
 class NonFiniteError(ValueError):
@@ -138,14 +177,19 @@ class ChunkState:
     """
 
     __slots__ = (
-        "P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store", "cache"
+        "P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store", "cache",
+        "spare",
     )
 
     def __init__(
-        self, P, e, aux, rank, offset, n_passes=0, pivots=None, flushed=0, store=None
+        self, P, e, aux, rank, offset, n_passes=0, pivots=None, flushed=0, store=None,
+        spare=None,
     ):
         self.P = P
         self.e = e
+        # The residual buffer of the previous state, reused by the next update
+        # (see :func:`chunk_update`): no page faults on a fresh vector per pass.
+        self.spare = spare
         self.aux = aux
         self.rank = rank
         self.offset = offset
@@ -164,7 +208,30 @@ class ChunkState:
 
     def __sizeof__(self) -> int:  # used by dask's memory accounting
         aux = 0 if self.aux is None else self.aux.nbytes
-        return int(self.P.nbytes + self.e.nbytes + aux + self.pivots.nbytes + 256)
+        spare = 0 if self.spare is None else self.spare.nbytes
+        return int(self.P.nbytes + self.e.nbytes + spare + aux + self.pivots.nbytes + 256)
+
+    def __getstate__(self):
+        # The spare buffer is scratch memory: not worth sending or spilling.
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("spare", "cache")}
+
+    def __setstate__(self, state):
+        for k in self.__slots__:
+            setattr(self, k, state.get(k))
+
+    def next_residual(self) -> np.ndarray:
+        """A copy of ``e`` in the spare buffer (or a new one): the next state's residual.
+
+        Two states of a chunk alternate between two buffers.  The state
+        whose buffer is reused is two updates old: the driver has released
+        it, and a task that consumes it cannot run again on this worker
+        without its output, which holds the buffer's other half.
+        """
+        e = self.spare
+        if e is None or e.shape != self.e.shape:
+            e = empty_vector(self.e.shape[0])
+        e[...] = self.e
+        return e
 
     def columns(self, lo: int, hi: int) -> np.ndarray:
         """Columns ``lo:hi`` (``hi <= rank``) of the chunk's rows of P, wherever they live.
@@ -249,7 +316,7 @@ def chunk_init(
                 f"k(x, x) = {e[bad - offset]!r}. The kernel must be positive semi-definite."
             )
     width = capacity if store is None else store.columns
-    P = np.empty((x.shape[0], width), dtype=_FLOAT, order="F")
+    P = empty_columns(x.shape[0], width)
     return ChunkState(P, e, aux, 0, offset, n_passes=1, store=store)
 
 
@@ -260,8 +327,19 @@ def _prepare(x, kernel: Kernel, offset: int, chunk: int | None):
     return x, kernel.prepare(x)
 
 
-def chunk_stats(state: ChunkState, m: int = 1, x: np.ndarray | None = None, rows: bool = False):
+def chunk_stats(
+    state: ChunkState,
+    m: int = 1,
+    x: np.ndarray | None = None,
+    rows: bool = False,
+    parts: list | None = None,
+):
     """Small summary of a chunk: trace, its ``m`` largest residuals and more.
+
+    ``parts`` are the per-row-block statistics of the residual (see
+    :func:`row_stats`) when the caller has them already (an update computes
+    them while the rows are in cache); otherwise they are computed here.
+    Either way the trace is the same sum, to the last bit.
 
     Returns
     -------
@@ -276,11 +354,14 @@ def chunk_stats(state: ChunkState, m: int = 1, x: np.ndarray | None = None, rows
     x = materialize(x)
     e = state.e
     n = e.shape[0]
-    out = {"trace": float(e.sum()), "n_passes": state.n_passes}
+    if parts is None:
+        parts = row_stats(e, 0, n)
+    trace, best = combine_row_stats(parts)
+    out = {"trace": trace, "n_passes": state.n_passes}
     if n == 0:
         top = np.empty(0, dtype=np.int64)
     elif m == 1:
-        top = np.array([int(np.argmax(e))])
+        top = np.array([best])
     else:
         m = min(m, n)
         part = np.argpartition(-e, m - 1)[:m] if m < n else np.arange(n)
@@ -292,6 +373,40 @@ def chunk_stats(state: ChunkState, m: int = 1, x: np.ndarray | None = None, rows
     if rows:
         out["x_rows"], out["aux"], out["p_rows"], _ = chunk_rows(x, state, top)
     return out
+
+
+def row_stats(e: np.ndarray, lo: int, hi: int) -> list[tuple[float, float, int]]:
+    """``(sum, max, argmax)`` of ``e`` over each :data:`ROW_BLOCK` rows of ``lo:hi``.
+
+    ``lo`` is a multiple of ``ROW_BLOCK``, so the blocks are the same however
+    a pass is split: the chunk's trace is the same sum whichever path made it.
+    """
+    out = []
+    for k in range(lo, hi, ROW_BLOCK):
+        seg = e[k : min(k + ROW_BLOCK, hi)]
+        j = int(np.argmax(seg))
+        out.append((float(seg.sum()), float(seg[j]), k + j))
+    return out
+
+
+def combine_row_stats(parts: list[tuple[float, float, int]]) -> tuple[float, int]:
+    """The chunk's trace and the local index of its largest residual (lowest on ties)."""
+    if not parts:
+        return 0.0, -1
+    trace = math.fsum(p[0] for p in parts)
+    best = parts[0]
+    for p in parts[1:]:
+        if p[1] > best[1]:
+            best = p
+    return trace, best[2]
+
+
+def refresh_row_stats(parts: list, e: np.ndarray, rows: np.ndarray) -> None:
+    """Recompute the blocks of ``parts`` that hold ``rows`` (whose residual was reset)."""
+    n = e.shape[0]
+    for k in np.unique(np.asarray(rows, dtype=np.int64) // ROW_BLOCK):
+        lo = int(k) * ROW_BLOCK
+        parts[int(k)] = row_stats(e, lo, min(lo + ROW_BLOCK, n))[0]
 
 
 def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
@@ -313,34 +428,46 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
     return xr, aux, pr, state.e[local].copy()
 
 
-def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) -> None:
+def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) -> list:
     """Rows ``lo:hi`` of one pivot-block update, in place on ``P`` and ``e``.
 
     ``p = (K[:, T] - P[:, :i] U^T) L^{-T}`` and ``e -= rowsum(p**2)``: for
-    ``b = 1`` this is exactly one iteration of the paper's Algorithm 1.
+    ``b = 1`` this is exactly one iteration of the paper's Algorithm 1, with
+    the kernel column a matrix-vector product written straight into ``P``.
     Residuals that rounding makes slightly negative are clamped to zero.
     ``base``, if given, is the part of ``P U^T`` from columns that are not in
-    ``P`` (the flushed columns of a Zarr-backed chunk).
+    ``P`` (the flushed columns of a Zarr-backed chunk).  ``lo`` must be a
+    multiple of :data:`ROW_BLOCK`.
+
+    Returns the :func:`row_stats` of the updated residual rows, computed
+    while they are in cache.
     """
     i, b = block.rank, block.index.shape[0]
-    G = block.kernel.block(x[lo:hi], block.rows, None if aux is None else aux[lo:hi], block.aux)
-    if base is not None:
-        G -= base[lo:hi]
-    if i:
-        G -= P[lo:hi, :i] @ block.U.T
+    a_aux = None if aux is None else aux[lo:hi]
     if b == 1:
-        G /= block.L[0, 0]
-        P[lo:hi, i] = G[:, 0]
-        G = G[:, 0]
-        G *= G
-        sq = G
+        G = block.kernel.column(
+            x[lo:hi], block.rows[0], a_aux, None if block.aux is None else block.aux[0]
+        )
+        if base is not None:
+            G -= base[lo:hi, 0]
+        if i:
+            G -= P[lo:hi, :i] @ block.U[0]
+        col = P[lo:hi, i]
+        np.divide(G, block.L[0, 0], out=col)
+        sq = np.multiply(col, col, out=G)
     else:
+        G = block.kernel.block(x[lo:hi], block.rows, a_aux, block.aux)
+        if base is not None:
+            G -= base[lo:hi]
+        if i:
+            G -= P[lo:hi, :i] @ block.U.T
         G = solve_triangular(block.L, G.T, lower=True, check_finite=False).T
         P[lo:hi, i : i + b] = G
         sq = np.einsum("ij,ij->i", G, G)
     ep = e[lo:hi]
     ep -= sq
     np.maximum(ep, 0.0, out=ep)
+    return row_stats(e, lo, hi)
 
 
 def finish_block(P, e, offset: int, block: PivotBlock, pivots: np.ndarray) -> np.ndarray:
@@ -368,8 +495,9 @@ def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkSt
     """Add the block's ``b`` columns to this chunk's piece of P (one dask task).
 
     Writes only columns ``rank:rank+b`` of the shared buffer and returns a new
-    state with a new residual vector: the input state stays valid, so a task
-    that runs twice gives the same result.
+    state whose residual is written into the buffer of the state before the
+    input (:meth:`ChunkState.next_residual`): the input state stays valid, so
+    a task that runs twice gives the same result.
     """
     i = block.rank
     if state.rank != i:
@@ -377,17 +505,20 @@ def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkSt
     x = materialize(x)
     with threadpool_limits(1):
         x = as_float(x)
-        e = state.e.copy()
+        e = state.next_residual()
         if state.store is not None:
             new = _update_stored(x, state, e, block)
+            parts = None
         else:
-            for lo in range(0, e.shape[0], ROW_BLOCK):
-                update_rows(x, state.P, e, state.aux, block, lo,
-                            min(lo + ROW_BLOCK, e.shape[0]))
+            n = e.shape[0]
+            parts = []
+            for lo in range(0, n, ROW_BLOCK):
+                parts += update_rows(x, state.P, e, state.aux, block, lo, min(lo + ROW_BLOCK, n))
             pivots = finish_block(state.P, e, state.offset, block, state.pivots)
+            refresh_row_stats(parts, e, pivots[len(state.pivots):])
             new = ChunkState(state.P, e, state.aux, i + block.index.shape[0], state.offset,
-                             state.n_passes + 1, pivots)
-        new.cache = chunk_stats(new, 1, x, rows=True)
+                             state.n_passes + 1, pivots, spare=state.e)
+        new.cache = chunk_stats(new, 1, x, rows=True, parts=parts)
     return new
 
 
@@ -402,7 +533,7 @@ def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> Ch
     tail = state.P
     if tail.shape[1] < i - f + b:
         # A block wider than the free slots: a new buffer, the old state's stays valid.
-        tail = np.empty((n, i - f + b), dtype=_FLOAT, order="F")
+        tail = empty_columns(n, i - f + b)
         tail[:, : i - f] = state.P[:, : i - f]
     base = _stored_product(state, block.U) if f else None
     local = replace(block, rank=i - f, U=block.U[:, f:])
@@ -410,7 +541,8 @@ def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> Ch
     pivots = finish_block(tail, e, state.offset, local, state.pivots)
     f, tail = _flush_full_blocks(state.store, state.offset, tail, f, i + b)
     return ChunkState(
-        tail, e, state.aux, i + b, state.offset, state.n_passes + 1, pivots, f, state.store
+        tail, e, state.aux, i + b, state.offset, state.n_passes + 1, pivots, f, state.store,
+        spare=state.e,
     )
 
 
@@ -441,7 +573,7 @@ def _flush_full_blocks(store: StoreSpec, offset: int, tail, f: int, rank: int):
     # and a re-run writes the same bytes.
     store.array()[offset : offset + n, f : f + full] = tail[:, :full]
     rest = rank - f - full
-    new = np.empty((n, max(cb, rest)), dtype=_FLOAT, order="F")
+    new = empty_columns(n, max(cb, rest))
     new[:, :rest] = tail[:, full : full + rest]
     return f + full, new
 
@@ -509,10 +641,10 @@ def chunk_restore(
     arr = spec.array()
     if stored:
         f = rank // spec.columns * spec.columns
-        P = np.empty((n, spec.columns), dtype=_FLOAT, order="F")
+        P = empty_columns(n, spec.columns)
     else:
         f = 0
-        P = np.empty((n, capacity), dtype=_FLOAT, order="F")
+        P = empty_columns(n, capacity)
     if rank > f:
         P[:, : rank - f] = arr[rows, f:rank]
     g = np.asarray(point["pivots"], dtype=np.int64)

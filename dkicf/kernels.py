@@ -7,7 +7,9 @@ Every kernel here works on row blocks of the data and never forms the full
   row norms for the Gaussian kernel), so that kernel columns cost one
   matrix-vector product;
 * ``diag(X, aux)``: the diagonal ``k(x_i, x_i)`` without any pairwise work;
-* ``block(A, B, a_aux, b_aux)``: the block ``k(A_i, B_j)`` as a float64 array.
+* ``block(A, B, a_aux, b_aux)``: the block ``k(A_i, B_j)`` as a float64 array;
+* ``column(A, b, a_aux, b_aux)``: one column ``k(A_i, b)`` as a 1-D float64
+  array (one pivot of the factorization: a matrix-vector product).
 
 Kernels are small, picklable objects whose parameters are plain JSON values
 (:meth:`Kernel.get_params`), so they can be shipped to dask workers and saved
@@ -66,6 +68,22 @@ class Kernel(abc.ABC):
     ) -> np.ndarray:
         """Return the kernel block ``K[i, j] = k(A[i], B[j])`` of shape (len(A), len(B))."""
 
+    def column(
+        self,
+        A: np.ndarray,
+        b: np.ndarray,
+        a_aux: np.ndarray | None = None,
+        b_aux: float | None = None,
+    ) -> np.ndarray:
+        """Return the kernel column ``k(A[i], b)`` for one row ``b``, shape (len(A),).
+
+        The default evaluates a one-column :meth:`block`; kernels override it
+        with a matrix-vector product.
+        """
+        B = np.asarray(b)[None, :]
+        aux = None if b_aux is None else np.array([b_aux], dtype=np.float64)
+        return self.block(A, B, a_aux, aux)[:, 0]
+
     def roundoff(self, max_sqnorm: float, n_features: int) -> float:
         """Relative size of the rounding error of one kernel entry, in units of eps.
 
@@ -110,14 +128,27 @@ class GaussianKernel(Kernel):
     def block(self, A, B, a_aux=None, b_aux=None):
         a_sq = _sqnorms(A) if a_aux is None else a_aux
         b_sq = _sqnorms(B) if b_aux is None else b_aux
-        # exp(-g*(|a|^2 + |b|^2 - 2 a.b)), computed in place on the product.
-        out = np.dot(A, B.T)
+        out = np.dot(A, 2.0 * B.T)
         if out.dtype != np.float64:
             out = out.astype(np.float64)
-        out *= 2.0 * self.gamma
-        out -= self.gamma * a_sq[:, None]
-        out -= self.gamma * b_sq[None, :]
+        out -= a_sq[:, None]
+        out -= b_sq[None, :]
+        return self._finish(out)
+
+    def column(self, A, b, a_aux=None, b_aux=None):
+        a_sq = _sqnorms(A) if a_aux is None else a_aux
+        b_sq = float(np.dot(b, b)) if b_aux is None else float(b_aux)
+        out = np.dot(A, 2.0 * b)
+        if out.dtype != np.float64:
+            out = out.astype(np.float64)
+        out -= a_sq
+        out -= b_sq
+        return self._finish(out)
+
+    def _finish(self, out):
+        # out = -||a - b||^2 = 2 a.b - |a|^2 - |b|^2, in place: no temporaries.
         np.minimum(out, 0.0, out=out)  # squared distances cannot be negative
+        out *= self.gamma
         np.exp(out, out=out)
         return out
 
@@ -168,7 +199,12 @@ class PolynomialKernel(Kernel):
         return (self.gamma * sq + self.coef0) ** self.degree
 
     def block(self, A, B, a_aux=None, b_aux=None):
-        out = np.dot(A, B.T).astype(np.float64, copy=False)
+        return self._finish(np.dot(A, B.T).astype(np.float64, copy=False))
+
+    def column(self, A, b, a_aux=None, b_aux=None):
+        return self._finish(np.dot(A, b).astype(np.float64, copy=False))
+
+    def _finish(self, out):
         out *= self.gamma
         out += self.coef0
         return np.power(out, self.degree, out=out)
@@ -198,6 +234,9 @@ class LinearKernel(Kernel):
 
     def block(self, A, B, a_aux=None, b_aux=None):
         return np.dot(A, B.T).astype(np.float64, copy=False)
+
+    def column(self, A, b, a_aux=None, b_aux=None):
+        return np.dot(A, b).astype(np.float64, copy=False)
 
     def roundoff(self, max_sqnorm, n_features):
         return 4.0 * max(n_features, 1)
