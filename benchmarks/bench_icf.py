@@ -3,10 +3,20 @@
 For n = 1e6, d = 16, s = 100 (float64) this prints
 
 * milliseconds per ICF iteration of the numpy backend, against the
-  milliseconds of one plain pass ``X @ v`` plus ``P[:, :i] @ u`` over the same
-  arrays at the same ranks i = 1..s (ratio; target <= 1.3);
+  milliseconds of one plain pass ``X @ v`` plus ``P[:, :i] @ u`` over arrays of
+  the same shapes at the same rank i, on one thread per core (ratio; target
+  <= 1.3);
 * milliseconds per iteration of the dask backend on a LocalCluster of
   2 workers x 1 thread, against the numpy backend (ratio; target <= 1.5).
+
+The plain pass runs inside the factorization's progress callback, right after
+each iteration, on arrays already in memory: every iteration is paired with
+its own baseline, measured moments apart on the same machine, so a noisy
+machine slows both alike.  The time an iteration takes is the time between
+two callbacks minus the baseline run in between.  The one-off set-up (kernel
+diagonal, allocating and faulting in P's memory, first summary) is printed
+separately: on a virtual machine the first touch of fresh memory can cost
+more than the whole factorization.
 
 Run: python benchmarks/bench_icf.py [--n 1000000] [--d 16] [--rank 100]
 """
@@ -19,16 +29,73 @@ import time
 import numpy as np
 
 
-def baseline_pass(X, P, rng) -> float:
-    """Seconds of X @ v + P[:, :i] @ u for i = 1..s (what one ICF iteration must read)."""
-    s = P.shape[1]
-    v = rng.normal(size=X.shape[1])
-    us = [rng.normal(size=i) for i in range(1, s + 1)]
-    t0 = time.perf_counter()
-    for i in range(1, s + 1):
-        X @ v
-        P[:, :i] @ us[i - 1]
-    return time.perf_counter() - t0
+class PairedTimer:
+    """Progress callback timing each ICF iteration and a plain pass right after it."""
+
+    def __init__(self, X: np.ndarray, s: int, seed: int = 0):
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        from threadpoolctl import ThreadpoolController
+
+        rng = np.random.default_rng(seed)
+        # The plain pass runs on every core: one thread per core over its share
+        # of the rows, each with one BLAS thread (OpenBLAS's own threads would
+        # keep spinning after the pass and slow the factorization down).
+        self.blas = ThreadpoolController()
+        n_threads = len(os.sched_getaffinity(0))
+        self.pool = ThreadPoolExecutor(n_threads)
+        n = X.shape[0]
+        self.bounds = [(k * n // n_threads, (k + 1) * n // n_threads) for k in range(n_threads)]
+        self.X = X
+        self.P = np.asfortranarray(rng.normal(size=(X.shape[0], s)))  # touched, like a real P
+        self.v = rng.normal(size=X.shape[1])
+        self.us = [rng.normal(size=i) for i in range(1, s + 1)]
+        self.icf: list[float] = []
+        self.plain: list[float] = []
+        self.start = self.last = None
+
+    def begin(self) -> None:
+        self.icf.clear()
+        self.plain.clear()
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, progress) -> None:
+        now = time.perf_counter()
+        if progress.rank > 1:  # the first iteration carries the set-up
+            self.icf.append(now - self.last)
+        else:
+            self.setup = now - self.start
+        i = progress.rank
+        u = self.us[i - 1]
+
+        def part(lo, hi):
+            self.X[lo:hi] @ self.v
+            self.P[lo:hi, :i] @ u
+
+        with self.blas.limit(limits=1, user_api="blas"):
+            t0 = time.perf_counter()
+            for f in [self.pool.submit(part, lo, hi) for lo, hi in self.bounds]:
+                f.result()
+            t1 = time.perf_counter()
+        if progress.rank > 1:
+            self.plain.append(t1 - t0)
+        self.last = time.perf_counter()
+
+    def ms(self) -> tuple[float, float]:
+        return 1000 * float(np.mean(self.icf)), 1000 * float(np.mean(self.plain))
+
+
+def run(timer: PairedTimer, repeats: int, factorize) -> tuple[float, float, float]:
+    """Best ICF ms/iteration over ``repeats`` runs, its paired plain ms and the set-up s."""
+    best = None
+    for _ in range(repeats):
+        timer.begin()
+        factorize(timer)
+        ms_icf, ms_plain = timer.ms()
+        if best is None or ms_icf / ms_plain < best[0] / best[1]:
+            best = (ms_icf, ms_plain, timer.setup)
+    return best
 
 
 def main(argv=None) -> None:
@@ -41,45 +108,51 @@ def main(argv=None) -> None:
     p.add_argument("--d", type=int, default=16)
     p.add_argument("--rank", type=int, default=100)
     p.add_argument("--gamma", type=float, default=0.05)
-    p.add_argument("--chunks", type=int, default=8, help="row chunks of the dask array")
+    p.add_argument("--chunks", type=int, nargs="+", default=[2, 8],
+                   help="row chunks of the dask array (one run per value)")
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(args.n, args.d))
     s = args.rank
-    print(f"n={args.n} d={args.d} s={s} float64")
+    timer = PairedTimer(X, s)
+    print(f"n={args.n} d={args.d} s={s} float64; plain pass = X @ v + P[:, :i] @ u, "
+          "run after each iteration")
 
-    best_np = np.inf
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        res = incomplete_cholesky(X, gamma=args.gamma, max_rank=s, tol=0)
-        best_np = min(best_np, time.perf_counter() - t0)
-    assert res.rank == s, res.stop_reason
-    P = res.P  # Fortran-ordered view: P[:, :i] is contiguous
-    best_base = min(baseline_pass(X, P, rng) for _ in range(args.repeats))
-    ms_np, ms_base = 1000 * best_np / s, 1000 * best_base / s
-    print(f"numpy backend : {ms_np:8.2f} ms/iteration ({best_np:.2f} s for {s} iterations)")
-    print(f"plain pass    : {ms_base:8.2f} ms/iteration (X @ v + P[:, :i] @ u)")
-    print(f"ratio numpy / plain pass = {ms_np / ms_base:.2f}  (target <= 1.3)")
-    del P, res
+    def numpy_fit(cb):
+        res = incomplete_cholesky(X, gamma=args.gamma, max_rank=s, tol=0, progress=cb)
+        assert res.rank == s, res.stop_reason
+
+    ms_np, base_np, setup_np = run(timer, args.repeats, numpy_fit)
+    print(f"numpy backend : {ms_np:8.2f} ms/iteration, plain pass {base_np:6.2f} ms, "
+          f"set-up {setup_np:.2f} s")
+    print(f"ratio numpy / plain pass = {ms_np / base_np:.2f}  (target <= 1.3)")
 
     client = local_cluster(2, 1, memory_limit="8GiB")
     try:
         from distributed import wait
 
-        # X in worker memory before timing, as a Zarr-backed array would be after its first read.
-        Xd = client.persist(da.from_array(X, chunks=(-(-args.n // args.chunks), args.d)))
-        wait(Xd)
-        best_dk = np.inf
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            rd = incomplete_cholesky(Xd, gamma=args.gamma, max_rank=s, tol=0, client=client)
-            best_dk = min(best_dk, time.perf_counter() - t0)
-            del rd
-        ms_dk = 1000 * best_dk / s
-        print(f"dask backend  : {ms_dk:8.2f} ms/iteration (2 workers x 1 thread, "
-              f"{args.chunks} chunks)")
-        print(f"ratio dask / numpy = {ms_dk / ms_np:.2f}  (target <= 1.5)")
+        for nch in args.chunks:
+            # X in worker memory before timing, as a Zarr-backed array would be
+            # after its first read.
+            Xd = da.from_array(X, chunks=(-(-args.n // nch), args.d))
+            Xd = client.persist(Xd)
+            wait(Xd)
+
+            def dask_fit(cb, Xd=Xd):
+                res = incomplete_cholesky(Xd, gamma=args.gamma, max_rank=s, tol=0,
+                                          client=client, progress=cb)
+                assert res.rank == s, res.stop_reason
+
+            ms_dk, base_dk, setup_dk = run(timer, args.repeats, dask_fit)
+            # The numpy figure is normalised by its own paired baseline, so that a
+            # slower phase of the machine during one run does not bias the ratio.
+            ratio = (ms_dk / base_dk) / (ms_np / base_np)
+            print(f"dask backend  : {ms_dk:8.2f} ms/iteration, plain pass {base_dk:6.2f} ms, "
+                  f"set-up {setup_dk:.2f} s (2 workers x 1 thread, {nch} chunks)")
+            print(f"ratio dask / numpy = {ratio:.2f} ({ms_dk / ms_np:.2f} unpaired)  "
+                  "(target <= 1.5)")
+            del Xd
     finally:
         cluster = client.cluster
         client.close()

@@ -82,7 +82,7 @@ class NumpyBackend:
         parts = [p for blk in blocks for p in blk]
         old = len(st.pivots)
         st.pivots = _chunk.finish_block(st.P, st.e, 0, block, st.pivots)
-        _chunk.refresh_row_stats(parts, st.e, st.pivots[old:])
+        _chunk.refresh_row_stats(parts, st.e, st.pivots[old:], st.sub_blocks())
         st.rank += block.index.shape[0]
         st.n_passes += 1
         self.step += 1
@@ -128,8 +128,14 @@ def _merge_summaries(parts: list[dict], m: int) -> dict:
     values = np.concatenate([p["values"] for p in parts])
     index = np.concatenate([p["index"] for p in parts])
     order = np.lexsort((index, -values))[:m]
+    if all("trace_parts" in p for p in parts):
+        # The sums of the same row blocks however the chunks were grouped:
+        # one correctly rounded sum of them all is the same for any grouping.
+        trace = math.fsum(v for p in parts for v in p["trace_parts"])
+    else:
+        trace = math.fsum(p["trace"] for p in parts)
     out = {
-        "trace": math.fsum(p["trace"] for p in parts),
+        "trace": trace,
         "values": values[order],
         "index": index[order],
         "n_passes": max(p["n_passes"] for p in parts),
@@ -173,9 +179,25 @@ class DaskBackend:
         if X.numblocks[1] != 1:
             X = X.rechunk({1: -1})
         self.n, self.d = X.shape
-        self.chunks = X.chunks[0]
+        self.input_chunks = tuple(int(c) for c in X.chunks[0])
+        check_worker_memory(
+            self.client, self.input_chunks, self.d, X.dtype, capacity, store, persist
+        )
+        # Consecutive row chunks are grouped into one task each, about one per
+        # worker thread (as memory allows): the per-pass cost of the scheduler
+        # grows with the number of tasks, not with their size.
+        sizes = work_chunks(self.client, self.input_chunks, self.d, X.dtype, capacity, store)
+        input_starts = np.concatenate([[0], np.cumsum(self.input_chunks)]).astype(np.int64)
+        if len(sizes) < len(self.input_chunks):
+            X = X.rechunk({0: sizes})
+        self.chunks = tuple(int(c) for c in X.chunks[0])
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
-        check_worker_memory(self.client, self.chunks, self.d, X.dtype, capacity, store, persist)
+        first = np.searchsorted(input_starts, self.offsets[:-1])
+        self._labels = [
+            int(f) if self.chunks == self.input_chunks
+            else (int(f), tuple(int(v) for v in input_starts[f:-1]))
+            for f in first
+        ]
         self.token = dask.base.tokenize(X, kernel, capacity, salt, uuid.uuid4().hex)[:16]
         self.kernel = kernel
         self.capacity = capacity
@@ -188,22 +210,29 @@ class DaskBackend:
         self.persist = persist
         self._x_step = None
         self._x_futs = None
+        # Where each chunk's state starts: consecutive chunks on the same
+        # worker, rows shared in proportion to the workers' threads.  Later
+        # tasks follow the states, so the passes stay balanced.
+        self._home = _placement(self.client, self.chunks)
         if persist:
             # Each chunk copied once into memory the worker allocated itself:
             # chunks unpickled from a transfer can sit in buffers that BLAS
             # reads at half speed, and every pass reads them.
             raw = self.client.compute(self._x_blocks)
             self._x_futs = [
-                self.client.submit(_own_copy, r, key=f"icf-x-{self.token}-{j}")
+                self.client.submit(
+                    _own_copy, r, key=f"icf-x-{self.token}-{j}", **self._where(j)
+                )
                 for j, r in enumerate(raw)
             ]
             del raw
         self.step = 0
+        self._events = _EventInbox(self.client, f"dkicf-icf-{self.token}")
         if restore is None:
             self.states = [
                 self.client.submit(
-                    _chunk.chunk_init, self._x(j), kernel, int(off), capacity, j, store,
-                    key=f"icf-init-{self.token}-{j}",
+                    _chunk.chunk_init, self._x(j), kernel, int(off), capacity,
+                    self._labels[j], store, key=f"icf-init-{self.token}-{j}", **self._where(j),
                 )
                 for j, off in enumerate(self.offsets[:-1])
             ]
@@ -211,6 +240,11 @@ class DaskBackend:
             # Iterations are counted from the checkpoint on (keys, rebases, error messages).
             self.step = self._last_rebase = int(restore[1]["iteration"])
             self.states = self._restore_tasks(*restore, previous=None)
+
+    def _where(self, j: int) -> dict:
+        """Worker restriction (a preference) for chunk ``j``'s first task."""
+        home = self._home[j] if self._home else None
+        return {"workers": [home], "allow_other_workers": True} if home else {}
 
     def _x(self, j):
         if self.persist:
@@ -268,14 +302,20 @@ class DaskBackend:
                 _identity, block, key=f"icf-block-{self.token}-{self.step + 1}"
             )
         self.step += 1
+        inbox = self._events if m == 1 else None
         self.states = [
             self.client.submit(
                 _chunk.chunk_update, self._x(j), st, arg,
+                None if inbox is None else (inbox.topic, self.step, j),
                 key=f"icf-update-{self.token}-{self.step}-{j}",
             )
             for j, st in enumerate(self.states)
         ]
-        summary = self.summary(m)
+        parts = None if inbox is None else inbox.collect(self.step, self.states)
+        if parts is None:
+            summary = self.summary(m)
+        else:
+            summary = _merge_summaries(parts, m)
         if self.step - self._last_rebase >= self.rebase_every:
             self._rebase(history)
         return summary
@@ -300,7 +340,7 @@ class DaskBackend:
             new.append(
                 self.client.submit(
                     _chunk.chunk_rebase, self._x(j), st.key, snapshot,
-                    int(self.offsets[j]), self.capacity, j, self.store,
+                    int(self.offsets[j]), self.capacity, self._labels[j], self.store,
                     key=f"icf-rebase-{self.token}-{self.step}-{j}", **where,
                 )
             )
@@ -319,11 +359,11 @@ class DaskBackend:
         for j, off in enumerate(self.offsets[:-1]):
             key = None if previous is None else previous[j].key
             workers = list(who_has.get(key, ())) if key else []
-            where = {"workers": workers, "allow_other_workers": True} if workers else {}
+            where = {"workers": workers, "allow_other_workers": True} if workers else self._where(j)
             out.append(
                 self.client.submit(
                     _chunk.chunk_restore, self._x(j), key, spec, self.kernel, int(off),
-                    self.capacity, j, point, stored,
+                    self.capacity, self._labels[j], point, stored,
                     key=f"icf-{tag}-{self.token}-{self.step}-{j}", **where,
                 )
             )
@@ -382,11 +422,11 @@ class DaskBackend:
             self.write_p(self.store, rank)
             root, path = self.store.root, self.store.p_path
             P = da.from_zarr(
-                root, component=path or None, chunks=(self.chunks, self.capacity),
+                root, component=path or None, chunks=(self.input_chunks, self.capacity),
                 **self.store.zarr_kwargs(),
             )[:, :rank]
         else:
-            P = self._memory_P(rank)
+            P = self._as_input_chunks(self._memory_P(rank))
         e = da.concatenate(
             [
                 da.from_delayed(
@@ -396,7 +436,13 @@ class DaskBackend:
                 for j, (st, c) in enumerate(zip(self.states, self.chunks))
             ]
         )
-        return P, e
+        return P, self._as_input_chunks(e)
+
+    def _as_input_chunks(self, arr):
+        """``arr`` (rows in work chunks) row-chunked like the input X."""
+        if self.chunks == self.input_chunks:
+            return arr
+        return arr.rechunk({0: self.input_chunks})
 
     def _memory_P(self, rank: int):
         import dask.array as da
@@ -414,6 +460,99 @@ class DaskBackend:
 
     def close(self):
         self._x_step = None
+        self._events.close()
+
+
+class _EventInbox:
+    """Chunk summaries that update tasks send as dask events (see ``report_summary``).
+
+    One scheduler round trip shorter than fetching each summary with a task.
+    The futures stay the source of truth: a task that fails raises here, a
+    task re-run after a worker died reports again (the same values), and if
+    a report has not arrived when its task is finished the caller falls back
+    to summary tasks.
+    """
+
+    def __init__(self, client, topic: str):
+        import threading
+
+        self.client = client
+        self.topic = topic
+        self._got: dict[tuple[int, int], dict] = {}
+        self._cond = threading.Condition()
+        self._subscribed = False
+        try:
+            client.subscribe_topic(topic, self._receive)
+            self._subscribed = True
+        except Exception:  # pragma: no cover - a client without events: summary tasks
+            pass
+
+    def _receive(self, event) -> None:
+        _, msg = event
+        with self._cond:
+            self._got[(int(msg["step"]), int(msg["chunk"]))] = msg
+            self._cond.notify_all()
+
+    def collect(self, step: int, futures: list, grace: float = 1.0) -> list[dict] | None:
+        """The summaries of ``step`` in chunk order, or None to fetch them with tasks."""
+        import time
+
+        if not self._subscribed:
+            return None
+        wanted = [(step, j) for j in range(len(futures))]
+        done_since = None
+        while True:
+            with self._cond:
+                if all(k in self._got for k in wanted):
+                    msgs = [self._got.pop(k) for k in wanted]
+                    # Reports of earlier steps (duplicates from re-runs) are stale.
+                    for k in [k for k in self._got if k[0] <= step]:
+                        del self._got[k]
+                    return [_chunk.summary_from_event(msg) for msg in msgs]
+                self._cond.wait(timeout=0.2)
+            # Outside the lock: the client's event loop, which delivers the
+            # reports, is the one that resolves these futures.
+            bad = [f for f in futures if f.status in ("error", "cancelled")]
+            if bad:
+                bad[0].result()  # raises the task's error
+            if all(f.status == "finished" for f in futures):
+                done_since = done_since or time.monotonic()
+                if time.monotonic() - done_since > grace:
+                    return None
+            else:
+                done_since = None
+
+    def close(self) -> None:
+        if self._subscribed:
+            try:
+                self.client.unsubscribe_topic(self.topic)
+            except Exception:  # pragma: no cover - client already closed
+                pass
+            self._subscribed = False
+
+
+def _placement(client, chunks) -> list[str | None]:
+    """A home worker for each row chunk: consecutive runs, rows in proportion to threads."""
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except TypeError:  # distributed < 2025: all workers by default
+        info = client.scheduler_info()
+    workers = sorted(
+        (addr, int(w.get("nthreads") or 1)) for addr, w in info.get("workers", {}).items()
+    )
+    if len(workers) < 2:
+        return [None] * len(chunks)
+    total = float(sum(chunks)) or 1.0
+    threads = float(sum(t for _, t in workers))
+    bounds = np.cumsum([t / threads for _, t in workers]) * total
+    homes = []
+    start = 0
+    for c in chunks:
+        middle = start + c / 2.0
+        w = min(int(np.searchsorted(bounds, middle, side="right")), len(workers) - 1)
+        homes.append(workers[w][0])
+        start += c
+    return homes
 
 
 def _identity(x):
@@ -422,6 +561,57 @@ def _identity(x):
 
 def _own_copy(x) -> np.ndarray:
     return np.array(x, order="C", copy=True)
+
+
+def _worker_resources(client) -> tuple[list[int], list[int]]:
+    """Memory limits (0: none) and thread counts of the cluster's workers."""
+    try:
+        info = client.scheduler_info(n_workers=-1)  # every worker, not only the first few
+    except TypeError:  # distributed < 2025: all workers by default
+        info = client.scheduler_info()
+    workers = list(info.get("workers", {}).values())
+    return ([int(w.get("memory_limit") or 0) for w in workers],
+            [int(w.get("nthreads") or 1) for w in workers])
+
+
+# Fraction of a worker thread's share of memory that one grouped task may hold.
+_GROUP_MEMORY_FRACTION = 0.25
+
+
+def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[int, ...]:
+    """Row counts of the tasks of one pass: consecutive chunks of X grouped.
+
+    About one group per worker thread, each holding at most a quarter of a
+    thread's share of the smallest worker's memory (X in float64 and as
+    stored, P's columns in memory, a few vectors), never splitting a chunk.
+    With P in Zarr the groups stay aligned with its Zarr chunks, whose rows
+    divide every chunk of X.
+    """
+    chunks = tuple(int(c) for c in chunks)
+    limits, threads = _worker_resources(client)
+    n_threads = max(1, sum(threads))
+    m = len(chunks)
+    if m <= n_threads:
+        return chunks
+    width = capacity if store is None else store.columns
+    per_row = 8 * d + np.dtype(dtype).itemsize * d + 8 * width + 8 * 6
+    known = [lim for lim in limits if lim > 0]
+    budget = (
+        _GROUP_MEMORY_FRACTION * min(known) / max(threads) if known else float("inf")
+    )
+    starts = np.concatenate([[0], np.cumsum(chunks)])
+    n = starts[-1]
+    for g in range(n_threads, m + 1):
+        # Cut at the chunk boundaries nearest to equal shares of rows.
+        t = np.arange(1, g) * n / g
+        up = np.clip(np.searchsorted(starts, t), 1, m)
+        near = np.where(t - starts[up - 1] < starts[up] - t, up - 1, up)
+        cuts = np.unique(np.concatenate([[0], near, [m]]))
+        sizes = np.diff(starts[cuts])
+        sizes = sizes[sizes > 0]
+        if sizes.max() * per_row <= budget or len(sizes) >= m:
+            return tuple(int(v) for v in sizes)
+    return chunks
 
 
 def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool):
@@ -433,11 +623,7 @@ def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, per
     cannot fit in the whole cluster's memory is refused too, with the
     suggestion to keep it in Zarr.
     """
-    try:
-        info = client.scheduler_info(n_workers=-1)  # every worker, not only the first few
-    except TypeError:  # distributed < 2025: all workers by default
-        info = client.scheduler_info()
-    limits = [w.get("memory_limit") or 0 for w in info["workers"].values()]
+    limits, _ = _worker_resources(client)
     limits = [m for m in limits if m > 0]
     if not limits:
         return

@@ -178,14 +178,18 @@ class ChunkState:
 
     __slots__ = (
         "P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store", "cache",
-        "spare",
+        "spare", "segments",
     )
 
     def __init__(
         self, P, e, aux, rank, offset, n_passes=0, pivots=None, flushed=0, store=None,
-        spare=None,
+        spare=None, segments=(0,),
     ):
         self.P = P
+        # Local starts of the row chunks of X that this state holds (a task
+        # may hold several): residual sums restart at each, so the trace is
+        # the same however the chunks are grouped into tasks.
+        self.segments = tuple(segments)
         self.e = e
         # The residual buffer of the previous state, reused by the next update
         # (see :func:`chunk_update`): no page faults on a fresh vector per pass.
@@ -218,6 +222,18 @@ class ChunkState:
     def __setstate__(self, state):
         for k in self.__slots__:
             setattr(self, k, state.get(k))
+
+    def sub_blocks(self) -> list[tuple[int, int]]:
+        """Row ranges of at most :data:`ROW_BLOCK` rows, restarting at each segment."""
+        return sub_blocks(self.n_rows, self.segments)
+
+    def successor(self, P, e, rank, pivots, flushed=None) -> ChunkState:
+        """The state after an update: same chunk, new columns and residual."""
+        return ChunkState(
+            P, e, self.aux, rank, self.offset, self.n_passes + 1, pivots,
+            self.flushed if flushed is None else flushed, self.store, spare=self.e,
+            segments=self.segments,
+        )
 
     def next_residual(self) -> np.ndarray:
         """A copy of ``e`` in the spare buffer (or a new one): the next state's residual.
@@ -282,10 +298,18 @@ def as_float(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=_FLOAT)
 
 
-def check_finite(x: np.ndarray, offset: int = 0, chunk: int | None = None) -> None:
-    """Raise a :class:`NonFiniteError` naming the first bad row."""
+def check_finite(x: np.ndarray, offset: int = 0, chunk=None) -> None:
+    """Raise a :class:`NonFiniteError` naming the first bad row and its chunk.
+
+    ``chunk`` is the index of X's row chunk, or, for a task that holds
+    several consecutive chunks, ``(index of the first, their global row
+    starts)``.
+    """
     if not np.isfinite(x).all():
         bad = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0]) + offset
+        if isinstance(chunk, tuple):
+            first, starts = chunk
+            chunk = first + int(np.searchsorted(starts, bad, side="right")) - 1
         where = f" (chunk {chunk})" if chunk is not None else ""
         raise NonFiniteError(
             f"X contains NaN or infinity: first at row {bad}{where}. "
@@ -317,7 +341,8 @@ def chunk_init(
             )
     width = capacity if store is None else store.columns
     P = empty_columns(x.shape[0], width)
-    return ChunkState(P, e, aux, 0, offset, n_passes=1, store=store)
+    return ChunkState(P, e, aux, 0, offset, n_passes=1, store=store,
+                      segments=segments_of(chunk, offset, x.shape[0]))
 
 
 def _prepare(x, kernel: Kernel, offset: int, chunk: int | None):
@@ -355,9 +380,9 @@ def chunk_stats(
     e = state.e
     n = e.shape[0]
     if parts is None:
-        parts = row_stats(e, 0, n)
+        parts = [p for lo, hi in state.sub_blocks() for p in row_stats(e, lo, hi)]
     trace, best = combine_row_stats(parts)
-    out = {"trace": trace, "n_passes": state.n_passes}
+    out = {"trace": trace, "trace_parts": [p[0] for p in parts], "n_passes": state.n_passes}
     if n == 0:
         top = np.empty(0, dtype=np.int64)
     elif m == 1:
@@ -373,6 +398,25 @@ def chunk_stats(
     if rows:
         out["x_rows"], out["aux"], out["p_rows"], _ = chunk_rows(x, state, top)
     return out
+
+
+def sub_blocks(n: int, segments=(0,)) -> list[tuple[int, int]]:
+    """``(lo, hi)`` ranges of at most :data:`ROW_BLOCK` rows of ``0:n``, restarting at each
+    segment start: the units of every residual sum."""
+    ends = list(segments[1:]) + [n]
+    return [
+        (lo, min(lo + ROW_BLOCK, end))
+        for start, end in zip(segments, ends)
+        for lo in range(start, end, ROW_BLOCK)
+    ]
+
+
+def segments_of(chunk, offset: int, n: int) -> tuple[int, ...]:
+    """Local starts of X's row chunks inside a task given its chunk label."""
+    if not isinstance(chunk, tuple):
+        return (0,)
+    _, starts = chunk
+    return tuple(int(s) - offset for s in starts if offset <= s < offset + n) or (0,)
 
 
 def row_stats(e: np.ndarray, lo: int, hi: int) -> list[tuple[float, float, int]]:
@@ -401,12 +445,14 @@ def combine_row_stats(parts: list[tuple[float, float, int]]) -> tuple[float, int
     return trace, best[2]
 
 
-def refresh_row_stats(parts: list, e: np.ndarray, rows: np.ndarray) -> None:
-    """Recompute the blocks of ``parts`` that hold ``rows`` (whose residual was reset)."""
-    n = e.shape[0]
-    for k in np.unique(np.asarray(rows, dtype=np.int64) // ROW_BLOCK):
-        lo = int(k) * ROW_BLOCK
-        parts[int(k)] = row_stats(e, lo, min(lo + ROW_BLOCK, n))[0]
+def refresh_row_stats(parts: list, e: np.ndarray, rows: np.ndarray, blocks: list) -> None:
+    """Recompute the entries of ``parts`` (one per range of ``blocks``) that hold ``rows``."""
+    if not len(rows):
+        return
+    los = np.array([lo for lo, _ in blocks])
+    for k in np.unique(np.searchsorted(los, np.asarray(rows, dtype=np.int64), side="right") - 1):
+        lo, hi = blocks[int(k)]
+        parts[int(k)] = row_stats(e, lo, hi)[0]
 
 
 def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
@@ -491,13 +537,18 @@ def finish_block(P, e, offset: int, block: PivotBlock, pivots: np.ndarray) -> np
     return pivots
 
 
-def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkState:
+def chunk_update(
+    x: np.ndarray, state: ChunkState, block: PivotBlock, report: tuple | None = None
+) -> ChunkState:
     """Add the block's ``b`` columns to this chunk's piece of P (one dask task).
 
     Writes only columns ``rank:rank+b`` of the shared buffer and returns a new
     state whose residual is written into the buffer of the state before the
     input (:meth:`ChunkState.next_residual`): the input state stays valid, so
     a task that runs twice gives the same result.
+
+    ``report = (topic, step, chunk)`` also sends the new state's summary to
+    the driver as a dask event on ``topic`` (see :func:`report_summary`).
     """
     i = block.rank
     if state.rank != i:
@@ -510,16 +561,48 @@ def chunk_update(x: np.ndarray, state: ChunkState, block: PivotBlock) -> ChunkSt
             new = _update_stored(x, state, e, block)
             parts = None
         else:
-            n = e.shape[0]
+            blocks = state.sub_blocks()
             parts = []
-            for lo in range(0, n, ROW_BLOCK):
-                parts += update_rows(x, state.P, e, state.aux, block, lo, min(lo + ROW_BLOCK, n))
+            for lo, hi in blocks:
+                parts += update_rows(x, state.P, e, state.aux, block, lo, hi)
             pivots = finish_block(state.P, e, state.offset, block, state.pivots)
-            refresh_row_stats(parts, e, pivots[len(state.pivots):])
-            new = ChunkState(state.P, e, state.aux, i + block.index.shape[0], state.offset,
-                             state.n_passes + 1, pivots, spare=state.e)
+            refresh_row_stats(parts, e, pivots[len(state.pivots):], blocks)
+            new = state.successor(state.P, e, i + block.index.shape[0], pivots)
         new.cache = chunk_stats(new, 1, x, rows=True, parts=parts)
+    if report is not None:
+        report_summary(report, new.cache)
     return new
+
+
+def report_summary(report: tuple, summary: dict) -> None:
+    """Send a chunk's summary to the driver as an event of this dask worker.
+
+    The event travels with the worker's task-finished message, so the driver
+    learns the summary one scheduler round trip earlier than by running a
+    task to fetch it.  Floats go as Python floats, bit for bit.
+    """
+    from distributed import get_worker
+
+    topic, step, chunk = report
+    msg = {"step": int(step), "chunk": int(chunk)}
+    for key, value in summary.items():
+        if isinstance(value, np.ndarray):
+            value = {"shape": list(value.shape), "dtype": value.dtype.str,
+                     "data": value.ravel().tolist()}
+        msg[key] = value
+    get_worker().log_event(topic, msg)
+
+
+def summary_from_event(msg: dict) -> dict:
+    """The summary dict of :func:`chunk_stats` from a :func:`report_summary` event."""
+    out = {}
+    for key, value in msg.items():
+        if key in ("step", "chunk"):
+            continue
+        if isinstance(value, dict) and "shape" in value:
+            value = np.array(value["data"], dtype=value["dtype"]).reshape(value["shape"])
+        out[key] = value
+    return out
 
 
 def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> ChunkState:
@@ -540,10 +623,7 @@ def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> Ch
     update_rows(x, tail, e, state.aux, local, 0, n, base)
     pivots = finish_block(tail, e, state.offset, local, state.pivots)
     f, tail = _flush_full_blocks(state.store, state.offset, tail, f, i + b)
-    return ChunkState(
-        tail, e, state.aux, i + b, state.offset, state.n_passes + 1, pivots, f, state.store,
-        spare=state.e,
-    )
+    return state.successor(tail, e, i + b, pivots, flushed=f)
 
 
 def _stored_product(state: ChunkState, U: np.ndarray) -> np.ndarray:
@@ -650,7 +730,8 @@ def chunk_restore(
     g = np.asarray(point["pivots"], dtype=np.int64)
     pivots = g[(g >= offset) & (g < offset + n)] - offset
     return ChunkState(
-        P, e, aux, rank, offset, int(point["n_passes"]), pivots, f, spec if stored else None
+        P, e, aux, rank, offset, int(point["n_passes"]), pivots, f, spec if stored else None,
+        segments=segments_of(chunk, offset, n),
     )
 
 
