@@ -627,18 +627,21 @@ def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> Ch
 
 
 def _stored_product(state: ChunkState, U: np.ndarray) -> np.ndarray:
-    """``P[:, :flushed] @ U[:, :flushed].T``, reading the flushed columns from Zarr in groups."""
-    arr, f, cb = state.store.array(), state.flushed, state.store.columns
-    rows = slice(state.offset, state.offset + state.n_rows)
-    step = max(cb, _STREAM_BYTES // (8 * max(state.n_rows, 1)) // cb * cb)
-    out = None
-    for c0 in range(0, f, step):
-        c1 = min(f, c0 + step)
-        part = arr[rows, c0:c1] @ U[:, c0:c1].T
-        if out is None:
-            out = part
-        else:
-            out += part
+    """``P[:, :flushed] @ U[:, :flushed].T``, reading the flushed columns from Zarr in row tiles.
+
+    Each tile is whole Zarr chunks of rows by every flushed column, at most
+    about :data:`_STREAM_BYTES`: the memory a task needs for it does not grow
+    with the task's rows (a task may hold several chunks of X).
+    """
+    arr, f = state.store.array(), state.flushed
+    n, b = state.n_rows, U.shape[0]
+    tile = int(arr.chunks[0])
+    step = max(tile, _STREAM_BYTES // (8 * max(f, 1)) // tile * tile)
+    Ut = np.ascontiguousarray(U[:, :f].T)
+    out = np.empty((n, b), dtype=_FLOAT)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        out[r0:r1] = arr[state.offset + r0 : state.offset + r1, 0:f] @ Ut
     return out
 
 

@@ -24,7 +24,8 @@ class WorkerFailureError(DkicfError, RuntimeError):
     stage : str
         ``"factorization"`` or ``"k-means"``.
     iteration : int
-        The iteration the stage was at.
+        The iteration the stage was at: for k-means, the mini-batch step or
+        Lloyd iteration of the current run (0 before its first).
     checkpoint : str or None
         Location of the last committed checkpoint, if any: resume from it
         with ``resume=True``.
@@ -54,25 +55,43 @@ def worker_failure_types() -> tuple[type[BaseException], ...]:
     return (KilledWorker,)
 
 
-def worker_failure(exc: BaseException, stage: str, iteration: int, storage=None):
+# What kills the same task's worker again and again, and what to do about it.
+_CAUSE = (
+    "A worker usually dies like this when the task needs more memory than the worker's "
+    "memory limit (give the workers more memory, or use smaller row chunks) or when "
+    "native code crashes; the workers' logs say which."
+)
+
+
+def worker_failure(exc: BaseException, stage: str, iteration: int, storage=None, *,
+                   where: str | None = None, resume_hint: str | None = None):
     """The :class:`WorkerFailureError` for a task that killed its workers in ``stage``.
 
     ``storage`` is the fit's checkpoint (or P store, or None): the message
-    says whether and from where the fit can be resumed.
+    says whether and from where the fit can be resumed.  ``where`` says where
+    in the stage the task ran (default: ``"iteration N"``) and
+    ``resume_hint``, when given, replaces the sentence on resuming built from
+    a factorization checkpoint's last commit.
     """
     url = getattr(storage, "url", None)
-    commit = getattr(storage, "commit", None)
-    if url and commit:
+    if resume_hint is not None:
+        hint = resume_hint
+    elif url and getattr(storage, "commit", None):
+        commit = storage.commit
         hint = (
             f"The last checkpoint, at iteration {commit['iteration']} (rank {commit['rank']}), "
-            f"is in {url!r}: call again with resume=True to continue from it."
+            f"is in {url!r}: call again with resume=True (dkicf fit: --resume) to continue "
+            "from it."
         )
     elif url:
-        hint = f"No checkpoint was committed yet in {url!r}."
+        hint = (f"No checkpoint was committed yet in {url!r}: call again with resume=True "
+                "(dkicf fit: --resume) to use it, from the start.")
     else:
-        hint = "Pass checkpoint= (and resume=True after a failure) to be able to resume."
+        hint = ("Pass checkpoint= (dkicf fit: --checkpoint DIR) and resume=True after a "
+                "failure (--resume) to be able to resume.")
+    where = f"iteration {iteration}" if where is None else where
     return WorkerFailureError(
-        f"{stage} failed at iteration {iteration}: a task killed every worker that ran it "
-        f"({exc}). {hint}",
+        f"{stage} failed at {where}: a task killed every worker that ran it ({exc}). "
+        f"{_CAUSE} {hint}",
         stage, iteration, url,
     )

@@ -28,6 +28,7 @@ import math
 import numbers
 import operator
 import time
+import traceback
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from scipy import sparse
 
 from ._chunk import chunk_digest, threadpool_limits
 from ._validation import check_array_2d, check_positive_int, is_dask_array
+from .errors import worker_failure, worker_failure_types
 
 if TYPE_CHECKING:
     import dask.array as da
@@ -290,13 +292,17 @@ class _DaskBackend:
     The chunks are computed once into worker memory and stay there for the
     whole run; what comes back to the driver is sampled rows and per-chunk
     summaries.  Task keys are tokens of everything a task depends on (chunk
-    key and arguments): two calls that share a key compute the same value, so
-    they never clash.
+    key and arguments) and of the fit: two requests that share a key compute
+    the same value, and a fit never picks up another fit's tasks, such as
+    the erred ones of a fit that failed and whose exception is still held.
     """
 
     def __init__(self, P, client):
+        import uuid
+
         from ._cluster import get_client
 
+        self.token = uuid.uuid4().hex
         self.client = get_client(client)
         self.n, self.s = (int(v) for v in P.shape)
         self.chunks = tuple(int(c) for c in P.chunks[0])
@@ -307,7 +313,7 @@ class _DaskBackend:
         from dask.base import tokenize
 
         block = self.blocks[j]
-        key = f"kmeans-{name}-{tokenize(block.key, *args)}"
+        key = f"kmeans-{name}-{tokenize(self.token, block.key, *args)}"
         return self.client.submit(_in_task, fn, block, *args, key=key)
 
     def rows(self, index: np.ndarray) -> np.ndarray:
@@ -390,6 +396,46 @@ class _Config:
     init_size: int
 
 
+@dataclass
+class _Position:
+    """Where the fit is, for the error that reports a task killing its workers.
+
+    The drivers update it before each request to the workers: ``phase`` is
+    ``"fingerprint"`` (of P, for the checkpoint), ``"init"``, ``"minibatch"``,
+    ``"lloyd"``, ``"assign"`` (a run's full pass) or ``"labels"`` (the best
+    run's labels after a resume); ``fetch`` is the range of mini-batch steps
+    whose rows are being fetched.
+    """
+
+    n_init: int
+    phase: str = "fingerprint"
+    restart: int = 0
+    step: int = 0
+    fetch: tuple[int, int] | None = None
+
+    def at(self, phase: str, step: int = 0, fetch: tuple[int, int] | None = None) -> None:
+        self.phase, self.step, self.fetch = phase, step, fetch
+
+    def __str__(self) -> str:
+        run = f"run {self.restart + 1}/{self.n_init}"
+        if self.phase == "fingerprint":
+            return "the fingerprint of P for the checkpoint, before the first run"
+        if self.phase == "labels":
+            return f"the assignment pass for the labels of the best run ({run})"
+        if self.phase == "init":
+            return f"{run}, initialisation (k-means++ on the init sample)"
+        if self.phase == "assign":
+            return f"{run}, final assignment pass"
+        if self.phase == "lloyd":
+            return f"{run}, Lloyd iteration {self.step}"
+        where = f"{run}, mini-batch step {self.step}"
+        if self.fetch is not None:
+            lo, hi = self.fetch
+            steps = f"steps {lo}-{hi}" if hi > lo else f"step {lo}"
+            where += f" (fetching the rows of {steps})"
+        return where
+
+
 def _initial_centers(backend, cfg: _Config, rng: np.random.Generator):
     """Centres from k-means++ on a seeded sample of rows, and the sample's mean feature variance.
 
@@ -465,7 +511,7 @@ def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0) -> deque:
 
 
 def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rng, report,
-                   ckpt=None, saved=None):
+                   ckpt, saved, pos: _Position):
     n, s = backend.n, backend.s
     k, b = cfg.n_clusters, cfg.batch_size
     alpha = min(1.0, 2.0 * b / (n + 1))
@@ -481,6 +527,7 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
         no_improvement, since_reseed = saved["no_improvement"], saved["since_reseed"]
         fetch = saved["fetch"]
         batch_rng.bit_generator.state = fetch["rng"]
+        pos.at("minibatch", first, (first, fetch["step"] + fetch["m"] - 1))
         queue = _fetch_batches(backend, batch_rng, fetch["m"], b, skip=first - fetch["step"])
         reseed_rng.bit_generator.state = saved["reseed_rng"]
     stop = "max_iter"
@@ -488,6 +535,7 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
         if not queue:
             m = min(per_fetch, cfg.max_iter - step + 1)
             fetch = {"step": step, "m": m, "rng": batch_rng.bit_generator.state}
+            pos.at("minibatch", step, (step, step + m - 1))
             queue = _fetch_batches(backend, batch_rng, m, b)
         x = queue.popleft()
         since_reseed += b
@@ -550,11 +598,13 @@ def _relocate_empty(backend, sums, counts, parts, n_far: int) -> None:
         counts[j] = 1
 
 
-def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report, ckpt=None, saved=None):
+def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
+               pos: _Position):
     k, s = centers.shape
     stop = "max_iter"
     first = 1 if saved is None else saved["step"] + 1
     for it in range(first, cfg.max_iter + 1):
+        pos.at("lloyd", it)
         parts = backend.lloyd_pass(centers, k)
         sums = np.zeros((k, s))
         counts = np.zeros(k, dtype=np.int64)
@@ -716,19 +766,52 @@ def _open_checkpoint(backend, P, cfg: _Config, seed, url, every, resume: bool,
     return _Checkpointer(store, every)
 
 
+def _worker_failure(exc: BaseException, pos: _Position, ckpt: _Checkpointer | None,
+                    url: str | None):
+    """The :class:`~dkicf.errors.WorkerFailureError` of a k-means task that killed its workers.
+
+    It names the run and the step (or pass) and, with a checkpoint, its last
+    commit, from which ``resume=True`` continues.
+    """
+    resume = "call again with resume=True (dkicf fit: --resume)"
+    commit = None if ckpt is None else ckpt.store.commit
+    if ckpt is not None:
+        url = ckpt.url
+    if commit is not None and commit["finished"]:
+        hint = (f"The k-means checkpoint in {url!r} holds the finished fit: {resume} to get "
+                "its result after one assignment pass.")
+    elif commit is not None:
+        state = commit["state"]
+        run = f"run {state['restart'] + 1}/{len(state['seeds'])}"
+        if state["run"] is None:
+            at = f"at the start of {run}"
+        else:
+            at = f"at {run}, step {state['run']['step']}"
+        hint = (f"The last k-means checkpoint, {at}, is in {url!r}: {resume} to continue "
+                "from it.")
+    elif url is not None:
+        hint = (f"No k-means checkpoint was committed yet in {url!r}: {resume} to use it, "
+                "from the first run.")
+    else:
+        hint = ("Pass checkpoint= (dkicf fit: --checkpoint DIR) and resume=True after a "
+                "failure (--resume) to be able to resume.")
+    return worker_failure(exc, "k-means", pos.step, ckpt, where=str(pos), resume_hint=hint)
+
+
 # --------------------------------------------------------------------------- the fit
 
 
-def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None = None):
+def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos: _Position):
     start = time.perf_counter()
     runs = _Runs(seeds=[int(v) for v in seeds])
     saved, info = None, {}
     if ckpt is not None:
         saved, info = ckpt.restore(runs)
     for restart in range(runs.restart, cfg.n_init):
-        runs.restart = restart
+        runs.restart = pos.restart = restart
         init_ss, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
         if saved is None:
+            pos.at("init")
             centers, variance = _initial_centers(backend, cfg, np.random.default_rng(init_ss))
             tol_abs = cfg.tol * variance
         else:  # resumed in the middle of this run
@@ -746,15 +829,16 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None = No
 
         if cfg.algorithm == "lloyd":
             centers, n_iter, stop = _run_lloyd(backend, centers, cfg, tol_abs, report,
-                                               ckpt, saved)
+                                               ckpt, saved, pos)
         else:
             centers, n_iter, stop = _run_minibatch(
                 backend, centers, cfg, tol_abs,
                 np.random.default_rng(batch_ss), np.random.default_rng(reseed_ss), report,
-                ckpt, saved,
+                ckpt, saved, pos,
             )
         saved = None
         runs.n_steps_total += n_iter
+        pos.at("assign", n_iter)
         labels, inertia, counts = _full_pass(backend, centers)
         runs.inertias.append(inertia)
         logger.info(
@@ -769,6 +853,8 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None = No
     best = runs.best
     labels = best.labels
     if labels is None:  # the best run ended before a resume: its labels are one pass away
+        pos.restart = best.restart
+        pos.at("labels", best.n_iter)
         labels, _, _ = _full_pass(backend, best.centers)
     n_found = int(np.count_nonzero(best.counts))
     if n_found < cfg.n_clusters:
@@ -985,6 +1071,11 @@ def kmeans(
     FileExistsError
         When ``checkpoint`` holds something else than a dkicf k-means
         checkpoint, or one exists and neither ``resume`` nor ``overwrite`` is set.
+    dkicf.errors.WorkerFailureError
+        When a task killed every worker that ran it (the scheduler's
+        ``allowed-failures``); the message names the run and the step or pass
+        and, with ``checkpoint``, the last commit, which ``resume=True``
+        continues.
 
     Examples
     --------
@@ -1025,14 +1116,24 @@ def kmeans(
     seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max,
                                                          size=cfg.n_init)
     backend = _backend(P, client)
+    pos, ckpt = _Position(cfg.n_init), None
     try:
-        ckpt = None
         if checkpoint is not None:
             ckpt = _open_checkpoint(
                 backend, P, cfg, _seed_fingerprint(random_state, seeds), checkpoint,
                 checkpoint_every, resume, overwrite, storage_options,
             )
-        return _fit(backend, cfg, seeds, progress, ckpt)
+        return _fit(backend, cfg, seeds, progress, ckpt, pos)
+    except worker_failure_types() as exc:
+        err = _worker_failure(exc, pos, ckpt, checkpoint)
+        # The error must not keep the failed fit's futures alive (its
+        # traceback keeps its lines, not its frames' variables, nor the best
+        # run's labels): their erred tasks, P's chunks among them when they
+        # were lost with the dying workers, are released, and a resume in this
+        # session computes them again instead of failing on their errors.
+        traceback.clear_frames(exc.__traceback__)
+        ckpt = None
+        raise err from exc
     finally:
         backend.close()
 

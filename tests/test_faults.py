@@ -1,5 +1,6 @@
 """Surviving faults: driver crashes, dead workers, hostile input, degenerate kernels."""
 
+import importlib
 import json
 import logging
 import os
@@ -191,20 +192,39 @@ def test_a_checkpoint_location_that_cannot_be_written_is_refused(tmp_path):
 # ----------------------------------------------------------------------- dead workers
 
 
+def kill_worker_if_marked(task=""):
+    """SIGKILL this worker process while the marker file exists.
+
+    A marker that names a task kills only in that task (a k-means block
+    kernel's name); an empty one kills in any.
+    """
+    marker = os.environ.get("DKICF_TEST_KILL_MARKER", "")
+    try:
+        wanted = open(marker).read().strip() if marker else None
+    except OSError:  # no marker (or removed meanwhile)
+        return
+    if wanted is None or (wanted and wanted != task):
+        return
+    try:
+        from distributed import get_worker
+
+        get_worker()
+    except ValueError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def killer_kernel(A, B):
     """A Gaussian kernel that SIGKILLs its worker process while the marker file exists."""
-    marker = os.environ.get("DKICF_TEST_KILL_MARKER", "")
-    if marker and os.path.exists(marker):
-        try:
-            from distributed import get_worker
-
-            get_worker()
-        except ValueError:
-            pass
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
+    kill_worker_if_marked()
     d2 = ((A[:, None, :] - B[None, :, :]) ** 2).sum(axis=-1)
     return np.exp(-0.5 * d2)
+
+
+def killer_in_task(fn, *args):
+    """The wrapper of the k-means block kernels, SIGKILLing its worker while marked."""
+    kill_worker_if_marked(fn.__name__)
+    return fn(*args)
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +323,57 @@ def test_worker_killed_mid_kmeans_changes_nothing(nanny_client, algorithm):
     np.testing.assert_array_equal(res.cluster_centers, ref.cluster_centers)
     np.testing.assert_array_equal(np.asarray(res.labels), np.asarray(ref.labels))
     assert res.inertia == ref.inertia and res.n_iter == ref.n_iter
+
+
+def assert_same_kmeans(res, ref):
+    """Bit-identical k-means fits: centres, labels, inertias, step counts."""
+    np.testing.assert_array_equal(res.cluster_centers, ref.cluster_centers)
+    np.testing.assert_array_equal(np.asarray(res.labels), np.asarray(ref.labels))
+    assert res.inertia == ref.inertia and res.inertias == ref.inertias
+    assert (res.n_iter, res.n_steps_total, res.stop_reason) == (
+        ref.n_iter, ref.n_steps_total, ref.stop_reason)
+
+
+@pytest.mark.parametrize(
+    "algorithm, where, iteration, committed",
+    [
+        ("lloyd", "Lloyd iteration 7", 7, 4),
+        # Rows of 4 steps per fetch: armed at step 6, the fetch at step 9 kills.
+        ("minibatch", r"mini-batch step 9 \(fetching the rows of steps 9-12\)", 9, 8),
+    ],
+)
+def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resumes(
+    nanny_client, tmp_path, monkeypatch, algorithm, where, iteration, committed
+):
+    km = importlib.import_module("dkicf.kmeans")  # the module, not the function
+    client, marker = nanny_client
+    monkeypatch.setattr(km, "_in_task", killer_in_task)
+    monkeypatch.setattr(km, "_PREFETCH_ROWS", 4 * 32)
+    P = da.from_array(np.random.default_rng(2).normal(size=(600, 4)), chunks=CHUNK)
+    kw = {"algorithm": algorithm, "n_init": 2, "max_iter": 12, "tol": 0.0,
+          "max_no_improvement": None, "batch_size": 32, "random_state": 0,
+          "checkpoint_every": 4, "client": client}
+
+    def arm(progress):
+        if (progress.restart, progress.step) == (1, 6):
+            marker.touch()
+
+    url = str(tmp_path / "km")
+    try:
+        with pytest.raises(
+            WorkerFailureError,
+            match=rf"k-means failed at run 2/2, {where}: a task killed every worker .*memory "
+                  rf"limit.*The last k-means checkpoint, at run 2/2, step {committed}, is in "
+                  r".*resume=True",
+        ) as info:
+            km.kmeans(P, 3, checkpoint=url, progress=arm, **kw)
+    finally:
+        marker.unlink(missing_ok=True)
+    err = info.value
+    assert (err.stage, err.iteration, err.checkpoint) == ("k-means", iteration, url)
+    res = km.kmeans(P, 3, checkpoint=url, resume=True, **kw)
+    assert res.info["resumed_from"] == {"restart": 1, "step": committed}
+    assert_same_kmeans(res, km.kmeans(P, 3, checkpoint=str(tmp_path / "ref"), **kw))
 
 
 # ----------------------------------------------------------------- lineage and graph size
