@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     X = np.random.default_rng(0).normal(size=(args.n, args.d))
-    common = {"gamma": 0.5 / args.d, "max_rank": args.rank, "tol": 0.0}
+    common = {"gamma": 0.5 / args.d, "max_rank": args.rank, "tol": 0.0, "pivoting": "greedy"}
     client = local_cluster(2, 1)
     try:
         tmp = tempfile.mkdtemp(prefix="dkicf-bench-")

@@ -120,7 +120,8 @@ def main(argv=None) -> None:
           "run after each iteration")
 
     def numpy_fit(cb):
-        res = incomplete_cholesky(X, gamma=args.gamma, max_rank=s, tol=0, progress=cb)
+        res = incomplete_cholesky(X, gamma=args.gamma, max_rank=s, tol=0, progress=cb,
+                                  pivoting="greedy")
         assert res.rank == s, res.stop_reason
 
     ms_np, base_np, setup_np = run(timer, args.repeats, numpy_fit)
@@ -141,6 +142,7 @@ def main(argv=None) -> None:
 
             def dask_fit(cb, Xd=Xd):
                 res = incomplete_cholesky(Xd, gamma=args.gamma, max_rank=s, tol=0,
+                                          pivoting="greedy",
                                           client=client, progress=cb)
                 assert res.rank == s, res.stop_reason
 

@@ -53,10 +53,11 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     tol : float, default=1e-3
         The factorization stops once ``tr(K - P P^T) <= tol`` (absolute, the
         paper's epsilon).
-    pivoting : {"greedy", "block-greedy", "rpcholesky"}, default="greedy"
-        Pivot rule of the factorization: the paper's sequential greedy rule,
-        the same pivots chosen in blocks (far fewer passes over X), or
-        randomly pivoted Cholesky (see :func:`dkicf.incomplete_cholesky`).
+    pivoting : {"block-greedy", "greedy", "rpcholesky"}, default="block-greedy"
+        Pivot rule of the factorization: the paper's greedy pivots chosen in
+        blocks (the same pivots in far fewer passes over X), the paper's
+        sequential loop itself, or randomly pivoted Cholesky (see
+        :func:`dkicf.incomplete_cholesky`).
     algorithm : {"minibatch", "lloyd"}, default="minibatch"
         Mini-batch k-means (Sculley 2010) or full-batch Lloyd on the rows of P.
     batch_size : int, default=1024
@@ -124,7 +125,7 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         coef0: float = 1.0,
         rank: int = 100,
         tol: float = 1e-3,
-        pivoting: str = "greedy",
+        pivoting: str = "block-greedy",
         algorithm: str = "minibatch",
         batch_size: int = 1024,
         n_init: int = 3,

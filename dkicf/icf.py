@@ -164,7 +164,7 @@ def incomplete_cholesky(
     persist: bool = True,
     random_state: int | None = 0,
     progress: Callable[[ICFProgress], None] | None = None,
-    pivoting: str = "greedy",
+    pivoting: str = "block-greedy",
     block_size: int | None = None,
     block_delta: float = 0.0,
     p_store: str | None = None,
@@ -221,11 +221,13 @@ def incomplete_cholesky(
     progress : callable, optional
         Called with an :class:`ICFProgress` after every pass (one pivot for
         ``"greedy"``, one block of pivots for the block rules).
-    pivoting : {"greedy", "block-greedy", "rpcholesky"}, default="greedy"
+    pivoting : {"block-greedy", "greedy", "rpcholesky"}, default="block-greedy"
         How pivots are chosen (see ``docs/pivoting.md``):
 
-        * ``"greedy"``: the paper's Algorithm 1, one pivot per pass over X;
-        * ``"block-greedy"``: the same pivots as ``"greedy"``, several per pass:
+        * ``"greedy"``: the paper's Algorithm 1 as written, one pivot per pass
+          over X;
+        * ``"block-greedy"`` (the default): the same pivots as ``"greedy"``,
+          several per pass:
           greedy pivoted Cholesky on the largest residuals, accepted while
           they provably beat every other row.  Pivot decisions closer than
           rounding are left to the next pass, so the pivots are those of

@@ -40,7 +40,8 @@ def test_convert_fit_predict_info_plot(ring_store):
     assert fit.returncode == 0, fit.stderr
     report = dict(line.split(": ", 1) for line in fit.stdout.splitlines() if ": " in line)
     assert float(report["accuracy"]) == 1.0
-    assert report["rank"] == "50" and report["n_passes"] == "51"
+    # Block greedy, the default: the paper's 50 pivots in fewer than its 51 passes.
+    assert report["rank"] == "50" and 1 < int(report["n_passes"]) < 51
 
     import zarr
 

@@ -49,7 +49,7 @@ DATASETS = {
 def test_block_greedy_picks_the_sequential_pivots(name, rng):
     build, params, max_rank = DATASETS[name]
     X = build(rng)
-    seq = incomplete_cholesky(X, max_rank=max_rank, tol=0, **params)
+    seq = incomplete_cholesky(X, max_rank=max_rank, tol=0, pivoting="greedy", **params)
     blk = incomplete_cholesky(X, max_rank=max_rank, tol=0, pivoting="block-greedy", **params)
     np.testing.assert_array_equal(blk.pivots, seq.pivots)
     assert blk.stop_reason == seq.stop_reason
@@ -64,7 +64,7 @@ def test_block_greedy_picks_the_sequential_pivots(name, rng):
 
 def test_block_greedy_needs_far_fewer_passes(rng):
     X = rng.normal(size=(2000, 4))
-    seq = incomplete_cholesky(X, gamma=0.5, max_rank=200, tol=0)
+    seq = incomplete_cholesky(X, gamma=0.5, max_rank=200, tol=0, pivoting="greedy")
     blk = incomplete_cholesky(X, gamma=0.5, max_rank=200, tol=0, pivoting="block-greedy")
     np.testing.assert_array_equal(blk.pivots, seq.pivots)
     assert seq.n_passes == 201
@@ -73,13 +73,13 @@ def test_block_greedy_needs_far_fewer_passes(rng):
 
 def test_tol_met_inside_a_block_stops_where_the_sequential_loop_does(rng):
     X = rng.normal(size=(600, 3))
-    seq_full = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=0)
+    seq_full = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=0, pivoting="greedy")
     blk_full = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=0, pivoting="block-greedy")
     ends = set(np.cumsum(blk_full.info["block_sizes"]).tolist())
     # A rank strictly inside a block of the untruncated run.
     k = next(r for r in range(60, 150) if r not in ends and r - 1 not in ends)
     tol = 0.5 * (seq_full.trace_errors[k - 1] + seq_full.trace_errors[k - 2])
-    seq = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=tol)
+    seq = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=tol, pivoting="greedy")
     blk = incomplete_cholesky(X, gamma=0.6, max_rank=150, tol=tol, pivoting="block-greedy")
     assert seq.stop_reason == blk.stop_reason == "tol"
     assert blk.rank == seq.rank == k
@@ -228,7 +228,7 @@ def test_rpcholesky_is_reproducible_and_seeded(rng):
 
 def test_block_greedy_on_dask_with_uneven_chunks(client, rng):
     X = rng.normal(size=(800, 4))
-    seq = incomplete_cholesky(X, gamma=0.4, max_rank=80, tol=0)
+    seq = incomplete_cholesky(X, gamma=0.4, max_rank=80, tol=0, pivoting="greedy")
     Xd = da.from_array(X, chunks=((100, 133, 17, 550), (4,)))
     res = incomplete_cholesky(Xd, gamma=0.4, max_rank=80, tol=0, client=client,
                               pivoting="block-greedy", persist=False)
@@ -256,7 +256,8 @@ def test_rpcholesky_does_not_depend_on_chunking_or_backend(client, rng):
     [
         ({"pivoting": "random"}, ValueError,
          "pivoting must be one of 'greedy', 'block-greedy', 'rpcholesky', got 'random'"),
-        ({"block_size": 8}, ValueError, "block_size=8 has no effect with pivoting='greedy'"),
+        ({"pivoting": "greedy", "block_size": 8}, ValueError,
+         "block_size=8 has no effect with pivoting='greedy'"),
         ({"pivoting": "block-greedy", "block_size": 0}, ValueError, "block_size must be >= 1"),
         ({"pivoting": "block-greedy", "block_size": 2.5}, TypeError, "block_size must be an int"),
         ({"pivoting": "block-greedy", "block_delta": 1.0}, ValueError, r"in \[0, 1\)"),
