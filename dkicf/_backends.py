@@ -156,13 +156,16 @@ class DaskBackend:
     """Row chunks of a dask array, each a chain of futures on the workers.
 
     X chunks are either held in worker memory (``persist=True``) or re-read
-    from their source (for example Zarr) by every pass.  The chunk states
+    from their source (for example Zarr) by every pass.  Consecutive chunks
+    of X are grouped into about one task per worker thread
+    (:func:`work_chunks`), placed evenly over the workers.  The chunk states
     (P rows and residuals) are futures: a worker that dies loses them, and the
     scheduler recomputes them from their lineage (X chunk, earlier state,
     pivot block), so no state lives only in scattered data.  One iteration is
-    one round trip: the pivot block is built by a task on the worker that holds
-    the pivot's chunk, every chunk's update depends on that task, and the driver
-    gathers the block together with the chunks' small summaries.
+    one scheduler round trip: the driver submits every chunk's update, and
+    each update task sends its chunk's small summary (trace, largest residual
+    and the rows of X and P there) back as a dask event; summary tasks are
+    the fallback when an event does not come.
     """
 
     def __init__(

@@ -271,3 +271,81 @@ def test_dask_streaming_rereads_X_on_every_pass(client, rng, tmp_path):
     reads = len(log.read_text().splitlines())
     # 4 chunks per pass (plus the median-free start): at least one read per chunk and pass.
     assert reads >= 4 * res.n_passes
+
+
+def _bitwise_same(a, b):
+    np.testing.assert_array_equal(a.pivots, b.pivots)
+    np.testing.assert_array_equal(np.asarray(a.P), np.asarray(b.P))
+    np.testing.assert_array_equal(a.trace_errors, b.trace_errors)
+    np.testing.assert_array_equal(np.asarray(a.residual), np.asarray(b.residual))
+
+
+def test_grouping_chunks_into_tasks_changes_no_bit(client, rng, monkeypatch):
+    """One task per chunk of X, or chunks grouped per worker thread: the same bits."""
+    from dkicf import _backends
+
+    X = rng.normal(size=(1000, 3))
+    Xd = da.from_array(X, chunks=((130, 270, 100, 300, 200), (3,)))
+    grouped = incomplete_cholesky(Xd, gamma=0.5, max_rank=40, tol=0, client=client)
+    assert grouped.P.chunks[0] == Xd.chunks[0]  # P comes back chunked like X
+    monkeypatch.setattr(_backends, "work_chunks", lambda client, chunks, *a: tuple(chunks))
+    single = incomplete_cholesky(Xd, gamma=0.5, max_rank=40, tol=0, client=client)
+    _bitwise_same(grouped, single)
+
+
+def test_work_chunks_follow_threads_and_memory():
+    from dkicf._backends import work_chunks
+
+    class FakeClient:
+        def __init__(self, workers):
+            self.workers = workers
+
+        def scheduler_info(self, n_workers=-1):
+            return {"workers": {f"w{i}": w for i, w in enumerate(self.workers)}}
+
+    two = FakeClient([{"nthreads": 1, "memory_limit": 8 << 30}] * 2)
+    # Eight equal chunks on two threads: two tasks of four chunks.
+    assert work_chunks(two, (100,) * 8, 4, np.float64, 10, None) == (400, 400)
+    # As many chunks as threads, or fewer: unchanged.
+    assert work_chunks(two, (100, 50), 4, np.float64, 10, None) == (100, 50)
+    # Memory: a task holds at most a quarter of a thread's share of memory.
+    small = FakeClient([{"nthreads": 1, "memory_limit": 4 << 20}] * 2)
+    per_row = 8 * 4 + 8 * 4 + 8 * 10 + 48
+    sizes = work_chunks(small, (1000,) * 40, 4, np.float64, 10, None)
+    assert sum(sizes) == 40_000 and max(sizes) * per_row <= (4 << 20) / 4
+    assert all(s % 1000 == 0 for s in sizes)  # never splits a chunk
+    # No memory limits: one group per thread.
+    free = FakeClient([{"nthreads": 2, "memory_limit": 0}])
+    assert work_chunks(free, (10,) * 9, 4, np.float64, 10, None) == (50, 40)
+
+
+def test_summaries_by_event_or_by_task_are_the_same(client, rng, monkeypatch):
+    """The update tasks' events and the fallback summary tasks give the same fit."""
+    from dkicf import _backends
+
+    X = rng.normal(size=(600, 4))
+    Xd = da.from_array(X, chunks=150)
+    by_event = incomplete_cholesky(Xd, gamma=0.3, max_rank=30, tol=0, client=client)
+    calls = []
+
+    def no_events(self, step, futures, grace=1.0):
+        calls.append(step)
+        return None
+
+    monkeypatch.setattr(_backends._EventInbox, "collect", no_events)
+    by_task = incomplete_cholesky(Xd, gamma=0.3, max_rank=30, tol=0, client=client)
+    assert calls  # the fallback really ran
+    _bitwise_same(by_event, by_task)
+
+
+def test_factor_buffers_are_writable_fortran_arrays():
+    from dkicf._chunk import empty_columns, empty_vector
+
+    for n, cols in [(10, 3), (300_000, 4)]:  # np.empty and the huge-page map
+        P = empty_columns(n, cols)
+        assert P.shape == (n, cols) and P.flags.f_contiguous and P.flags.writeable
+        P[:, 1] = 2.0
+        assert float(P[:, 1].sum()) == 2.0 * n
+    e = empty_vector(600_000)
+    e[:] = 1.0
+    assert e.shape == (600_000,) and float(e.sum()) == 600_000.0
