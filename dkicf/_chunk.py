@@ -618,31 +618,38 @@ def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> Ch
         # A block wider than the free slots: a new buffer, the old state's stays valid.
         tail = empty_columns(n, i - f + b)
         tail[:, : i - f] = state.P[:, : i - f]
-    base = _stored_product(state, block.U) if f else None
     local = replace(block, rank=i - f, U=block.U[:, f:])
-    update_rows(x, tail, e, state.aux, local, 0, n, base)
+    aux = state.aux
+    # Row tiles of whole Zarr chunks: the flushed columns of a tile are read
+    # and multiplied, then the tile is updated in cache-sized row blocks, so
+    # a task's memory does not grow with its rows or with the block size.
+    for t0, t1, base in _stored_tiles(state, block.U):
+        xs, ts, es = x[t0:t1], tail[t0:t1], e[t0:t1]
+        auxs = None if aux is None else aux[t0:t1]
+        for lo in range(0, t1 - t0, ROW_BLOCK):
+            update_rows(xs, ts, es, auxs, local, lo, min(lo + ROW_BLOCK, t1 - t0), base)
     pivots = finish_block(tail, e, state.offset, local, state.pivots)
     f, tail = _flush_full_blocks(state.store, state.offset, tail, f, i + b)
     return state.successor(tail, e, i + b, pivots, flushed=f)
 
 
-def _stored_product(state: ChunkState, U: np.ndarray) -> np.ndarray:
-    """``P[:, :flushed] @ U[:, :flushed].T``, reading the flushed columns from Zarr in row tiles.
+def _stored_tiles(state: ChunkState, U: np.ndarray):
+    """``(t0, t1, base)`` over row tiles of the chunk, ``base = P[t0:t1, :flushed] @ U^T``.
 
     Each tile is whole Zarr chunks of rows by every flushed column, at most
-    about :data:`_STREAM_BYTES`: the memory a task needs for it does not grow
-    with the task's rows (a task may hold several chunks of X).
+    about :data:`_STREAM_BYTES` (``base`` is None when nothing is flushed).
     """
-    arr, f = state.store.array(), state.flushed
-    n, b = state.n_rows, U.shape[0]
+    n, f = state.n_rows, state.flushed
+    if not f:
+        yield 0, n, None
+        return
+    arr = state.store.array()
     tile = int(arr.chunks[0])
-    step = max(tile, _STREAM_BYTES // (8 * max(f, 1)) // tile * tile)
+    step = max(tile, _STREAM_BYTES // (8 * f) // tile * tile)
     Ut = np.ascontiguousarray(U[:, :f].T)
-    out = np.empty((n, b), dtype=_FLOAT)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        out[r0:r1] = arr[state.offset + r0 : state.offset + r1, 0:f] @ Ut
-    return out
+    for t0 in range(0, n, step):
+        t1 = min(n, t0 + step)
+        yield t0, t1, arr[state.offset + t0 : state.offset + t1, 0:f] @ Ut
 
 
 def _flush_full_blocks(store: StoreSpec, offset: int, tail, f: int, rank: int):
