@@ -766,8 +766,8 @@ def _open_checkpoint(backend, P, cfg: _Config, seed, url, every, resume: bool,
     return _Checkpointer(store, every)
 
 
-def _worker_failure(exc: BaseException, pos: _Position, ckpt: _Checkpointer | None,
-                    url: str | None):
+def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
+                    ckpt: _Checkpointer | None, url: str | None):
     """The :class:`~dkicf.errors.WorkerFailureError` of a k-means task that killed its workers.
 
     It names the run and the step (or pass) and, with a checkpoint, its last
@@ -786,7 +786,8 @@ def _worker_failure(exc: BaseException, pos: _Position, ckpt: _Checkpointer | No
         if state["run"] is None:
             at = f"at the start of {run}"
         else:
-            at = f"at {run}, step {state['run']['step']}"
+            unit = "iteration" if algorithm == "lloyd" else "step"
+            at = f"at {run}, {unit} {state['run']['step']}"
         hint = (f"The last k-means checkpoint, {at}, is in {url!r}: {resume} to continue "
                 "from it.")
     elif url is not None:
@@ -1125,7 +1126,7 @@ def kmeans(
             )
         return _fit(backend, cfg, seeds, progress, ckpt, pos)
     except worker_failure_types() as exc:
-        err = _worker_failure(exc, pos, ckpt, checkpoint)
+        err = _worker_failure(exc, pos, cfg.algorithm, ckpt, checkpoint)
         # The error must not keep the failed fit's futures alive (its
         # traceback keeps its lines, not its frames' variables, nor the best
         # run's labels): their erred tasks, P's chunks among them when they
