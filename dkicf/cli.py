@@ -418,13 +418,16 @@ def _cmd_fit(args) -> int:
 
     io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
     with _cluster(args) as client:
-        report = fit_store(
-            args.store, args.out, params, client=client, overwrite=args.overwrite,
-            p_storage=args.p_storage, persist=args.persist, storage_options=storage_options,
-            progress=progress, checkpoint=args.checkpoint,
-            checkpoint_every=args.checkpoint_every, resume=args.resume,
-        )
-    progress.close()
+        try:
+            report = fit_store(
+                args.store, args.out, params, client=client, overwrite=args.overwrite,
+                p_storage=args.p_storage, persist=args.persist,
+                storage_options=storage_options, progress=progress,
+                checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                resume=args.resume,
+            )
+        finally:
+            progress.close()  # an error is printed on a line of its own, not after the bar
     _print_report(report)
     return 0
 

@@ -197,7 +197,10 @@ def fit_store(
     every ``checkpoint_every`` iterations and holds P there, and k-means
     commits its own in the subgroup ``kmeans`` (at its default period, and
     after each run); ``resume=True`` continues a fit that stopped in either
-    stage, refusing different data or parameters.
+    stage, refusing different data or parameters.  A task that keeps killing
+    its workers ends the fit with :class:`~dkicf.errors.WorkerFailureError`,
+    whose message names the stage, where in it (factorization iteration;
+    k-means run and step, or pass) and the last commit to resume from.
 
     The output group holds the model (pivots, pivot rows of X, L, centres,
     trace errors, kernel and parameters, versions, input fingerprint) and the
