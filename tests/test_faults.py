@@ -237,7 +237,11 @@ def nanny_client(tmp_path_factory):
     os.environ["DKICF_TEST_KILL_MARKER"] = str(marker)
     with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
         client = local_cluster(2, 1, memory_limit="1GiB")
-    yield client, marker
+    # The cluster closes for good a worker that has not come back this long
+    # after a death, checked when the timeout ends: a kill in a later test,
+    # while the workers restart, would otherwise cost the module its workers.
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
+        yield client, marker
     cluster = client.cluster
     client.close()
     cluster.close()
@@ -335,35 +339,38 @@ def assert_same_kmeans(res, ref):
 
 
 @pytest.mark.parametrize(
-    "algorithm, where, iteration, committed",
+    "algorithm, task, where, iteration, committed",
     [
-        ("lloyd", "Lloyd iteration 7", 7, 4),
+        ("lloyd", "_chunk_lloyd", "Lloyd iteration 7", 7, "iteration 4"),
         # Rows of 4 steps per fetch: armed at step 6, the fetch at step 9 kills.
-        ("minibatch", r"mini-batch step 9 \(fetching the rows of steps 9-12\)", 9, 8),
+        ("minibatch", "_chunk_take", r"mini-batch step 9 \(fetching the rows of steps 9-12\)",
+         9, "step 8"),
     ],
 )
 def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resumes(
-    nanny_client, tmp_path, monkeypatch, algorithm, where, iteration, committed
+    nanny_client, tmp_path, monkeypatch, algorithm, task, where, iteration, committed
 ):
     km = importlib.import_module("dkicf.kmeans")  # the module, not the function
     client, marker = nanny_client
     monkeypatch.setattr(km, "_in_task", killer_in_task)
     monkeypatch.setattr(km, "_PREFETCH_ROWS", 4 * 32)
-    P = da.from_array(np.random.default_rng(2).normal(size=(600, 4)), chunks=CHUNK)
+    # One chunk: one task per request, so once it has killed both workers no
+    # other armed task is left to kill the workers of the resumed fit.
+    P = da.from_array(np.random.default_rng(2).normal(size=(600, 4)), chunks=600)
     kw = {"algorithm": algorithm, "n_init": 2, "max_iter": 12, "tol": 0.0,
           "max_no_improvement": None, "batch_size": 32, "random_state": 0,
           "checkpoint_every": 4, "client": client}
 
     def arm(progress):
         if (progress.restart, progress.step) == (1, 6):
-            marker.touch()
+            marker.write_text(task)
 
     url = str(tmp_path / "km")
     try:
         with pytest.raises(
             WorkerFailureError,
             match=rf"k-means failed at run 2/2, {where}: a task killed every worker .*memory "
-                  rf"limit.*The last k-means checkpoint, at run 2/2, step {committed}, is in "
+                  rf"limit.*The last k-means checkpoint, at run 2/2, {committed}, is in "
                   r".*resume=True",
         ) as info:
             km.kmeans(P, 3, checkpoint=url, progress=arm, **kw)
@@ -372,8 +379,38 @@ def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resume
     err = info.value
     assert (err.stage, err.iteration, err.checkpoint) == ("k-means", iteration, url)
     res = km.kmeans(P, 3, checkpoint=url, resume=True, **kw)
-    assert res.info["resumed_from"] == {"restart": 1, "step": committed}
+    assert res.info["resumed_from"] == {"restart": 1, "step": int(committed.split()[1])}
     assert_same_kmeans(res, km.kmeans(P, 3, checkpoint=str(tmp_path / "ref"), **kw))
+
+
+def test_cli_fit_with_a_kmeans_task_killing_its_workers_fails_in_one_line(
+    nanny_client, tmp_path, monkeypatch, capsys
+):
+    from dkicf import cli, io
+
+    km = importlib.import_module("dkicf.kmeans")
+    client, marker = nanny_client
+    monkeypatch.setattr(km, "_in_task", killer_in_task)
+    monkeypatch.chdir(tmp_path)
+    io.generate("blobs", "data.zarr", 1000, chunk_rows=1000, centers=2)  # one task per pass
+    marker.write_text("_chunk_lloyd")
+    client.wait_for_workers(2, timeout=60)  # back from the kills of the tests before
+    try:
+        code = cli.main(["fit", "data.zarr", "--clusters", "2", "--gamma", "0.01", "--rank", "10",
+                         "--algorithm", "lloyd", "--n-init", "1", "--out", "model.zarr",
+                         "--checkpoint", "ck.zarr", "--scheduler", client.scheduler.address])
+    finally:
+        marker.unlink(missing_ok=True)
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert "Traceback" not in err and out == ""
+    line = err.splitlines()[-1]  # after the progress bars, on a line of its own
+    assert line.startswith("dkicf fit: error: k-means failed at run 1/1, Lloyd iteration 1: ")
+    kmeans_checkpoint = tmp_path / "ck.zarr" / "kmeans"
+    assert f"No k-means checkpoint was committed yet in '{kmeans_checkpoint}'" in line
+    assert "--resume" in line and "memory limit" in line
+    assert (kmeans_checkpoint / "zarr.json").is_file()  # what --resume continues
+    assert not (tmp_path / "model.zarr").exists()
 
 
 # ----------------------------------------------------------------- lineage and graph size
