@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=_positive_int, default=100, help="rank s (default: 100)")
     p.add_argument("--tol", type=float, default=1e-3, help="trace-error tolerance (default: 1e-3)")
     p.add_argument("--pivoting", choices=["greedy", "block-greedy", "rpcholesky"],
-                   default="greedy", help="pivot rule of the factorization (default: greedy)")
+                   default="block-greedy",
+                   help="pivot rule of the factorization (default: block-greedy, the paper's "
+                        "greedy pivots several per pass over X)")
     p.add_argument("--algorithm", choices=["minibatch", "lloyd"], default="minibatch")
     p.add_argument("--batch-size", type=_positive_int, default=1024)
     p.add_argument("--n-init", type=_positive_int, default=3)

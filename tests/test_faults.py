@@ -15,8 +15,16 @@ import dask.array as da
 import numpy as np
 import pytest
 
-from dkicf import incomplete_cholesky, local_cluster
+import functools
+
+from dkicf import incomplete_cholesky as _incomplete_cholesky
+from dkicf import local_cluster
 from dkicf.errors import CheckpointMismatchError, DegenerateKernelWarning, WorkerFailureError
+
+# These tests exercise the paper's sequential loop, one pass per pivot (crashes
+# at a given iteration, tasks per iteration); the block rules have their own
+# fault tests in test_block_store.py.
+incomplete_cholesky = functools.partial(_incomplete_cholesky, pivoting="greedy")
 
 PARAMS = {"gamma": 0.5, "max_rank": 36, "tol": 0.0}
 EVERY = 10
@@ -73,7 +81,7 @@ CRASH_SCRIPT = textwrap.dedent(
                                      dashboard_address=None))
         X = da.from_array(X, chunks=chunk)
     incomplete_cholesky(X, client=client, checkpoint=url, checkpoint_every=every,
-                        progress=progress, **params)
+                        progress=progress, **{"pivoting": "greedy", **params})
     os._exit(0)
     """
 )
