@@ -289,9 +289,9 @@ def incomplete_cholesky(
     (200, 20)
     >>> bool(np.all(np.diff(res.trace_errors) <= 0))
     True
-    >>> blk = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=20,
-    ...                           pivoting="block-greedy")
-    >>> bool(np.array_equal(blk.pivots, res.pivots)), blk.n_passes < res.n_passes
+    >>> seq = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=20,
+    ...                           pivoting="greedy")  # the paper's loop, one pass per pivot
+    >>> bool(np.array_equal(res.pivots, seq.pivots)), res.n_passes < seq.n_passes
     (True, True)
     """
     dask_input = is_dask_array(X)
@@ -404,6 +404,21 @@ def _sample_rows(X, m: int, random_state) -> np.ndarray:
     return np.asarray(X[idx], dtype=np.float64)
 
 
+def _stop_reason(rank, capacity, trace, tol, summary, rank_tol) -> str | None:
+    """Algorithm 1's stopping rule before adding a pivot at ``rank``, or None to go on.
+
+    The rank budget, then the trace error ``<= tol``, then the numerical rank
+    (the largest residual no longer above rounding), in that order.
+    """
+    if rank >= capacity:
+        return "max_rank"
+    if trace <= tol:
+        return "tol"
+    if not float(summary["values"][0]) > rank_tol:
+        return "numerical_rank"
+    return None
+
+
 def _greedy_loop(
     backend, kernel, n, d, capacity, tol, rank_tol, progress, storage=None
 ) -> ICFResult:
@@ -423,17 +438,12 @@ def _greedy_loop(
         )
     while True:
         i = history.rank
-        if i >= capacity:
-            stop = "max_rank"
-            break
-        if trace <= tol:
-            stop = "tol"
+        reason = _stop_reason(i, capacity, trace, tol, summary, rank_tol)
+        if reason is not None:
+            stop = reason
             break
         t = int(summary["index"][0])
         e_t = float(summary["values"][0])
-        if not e_t > rank_tol:
-            stop = "numerical_rank"
-            break
         block = _chunk.PivotBlock(
             kernel=kernel,
             index=np.array([t], dtype=np.int64),
@@ -535,7 +545,7 @@ def _block_loop(
     stop = "max_rank"
     while True:
         i = history.rank
-        done = i >= capacity or trace <= tol or not float(summary["values"][0]) > rank_tol
+        done = _stop_reason(i, capacity, trace, tol, summary, rank_tol) is not None
         if done:
             request = _pivoting.CandidateRequest()
         elif rule == "block-greedy":
@@ -566,14 +576,8 @@ def _block_loop(
             if below.size:
                 stop = "tol"
                 break
-        if i >= capacity:
-            stop = "max_rank"
-            break
-        if trace <= tol:
-            stop = "tol"
-            break
-        if not float(summary["values"][0]) > rank_tol:
-            stop = "numerical_rank"
+        if done:
+            stop = _stop_reason(i, capacity, trace, tol, summary, rank_tol)
             break
         if storage is not None:
             storage.step(
