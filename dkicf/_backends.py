@@ -577,6 +577,39 @@ def _worker_resources(client) -> tuple[list[int], list[int]]:
             [int(w.get("nthreads") or 1) for w in workers])
 
 
+# Fraction of the cluster's memory that the states of a Zarr-backed P may hold
+# between passes (residual diagonal, its spare buffer, kernel row terms, tail).
+_STORE_HOLD_FRACTION = 0.5
+# Float64 vectors of n rows that a state holds besides its tail of P.
+_STATE_VECTORS = 4
+
+
+def store_columns(client, n: int, capacity: int, largest: int) -> int:
+    """Columns per Zarr chunk of P when P lives in Zarr: as many as memory allows.
+
+    Between passes every chunk keeps fewer than this many columns of P in
+    memory (its tail), besides a few vectors of its rows.  The width is the
+    largest, up to ``largest``, whose tails over all ``n`` rows fit in
+    :data:`_STORE_HOLD_FRACTION` of the cluster's memory, rows spread evenly
+    over the workers.  Without memory limits it is ``largest``.
+    """
+    limits, _ = _worker_resources(client)
+    cap = max(1, min(largest, capacity))
+    if not limits or not all(limits):
+        return cap
+    budget = _STORE_HOLD_FRACTION * min(limits) * len(limits)
+    fixed = 8 * _STATE_VECTORS * n
+    cb = int((budget - fixed) // (8 * n))
+    if cb < 1:
+        need = (fixed + 8 * n) / _STORE_HOLD_FRACTION
+        raise ValueError(
+            f"{n} rows need about {_gib(need)} of worker memory in all even with P in Zarr "
+            f"(the residual diagonal and a column of P per row), more than the cluster's "
+            f"{_gib(min(limits) * len(limits))}. Add workers or give them more memory."
+        )
+    return min(cb, cap)
+
+
 # Fraction of a worker thread's share of memory that one grouped task may hold.
 _GROUP_MEMORY_FRACTION = 0.25
 

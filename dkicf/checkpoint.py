@@ -550,11 +550,12 @@ def open_storage(
     opts = dict(storage_options or {})
     opts_json = json.dumps(opts, sort_keys=True) if opts else ""
     if dask_input:
-        from ._backends import check_worker_memory
+        from ._backends import check_worker_memory, store_columns
         from ._cluster import get_client
 
         X, p_rows = _aligned(X)
         chunks = tuple(int(c) for c in X.chunks[0])
+        cb = store_columns(get_client(client), n, capacity, COLUMN_BLOCK)
         # Before any pass over the data (the fingerprint's is the first).
         spec = _chunk.StoreSpec("", "P", token, cb)
         check_worker_memory(get_client(client), chunks, d, X.dtype, capacity, spec, True)

@@ -133,3 +133,43 @@ def test_foreign_data_at_the_location_is_never_touched(client, tmp_path, X):
                                 client=client, **kw)
     assert (target / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
+
+
+class _FakeClient:
+    def __init__(self, workers):
+        self.workers = workers
+
+    def scheduler_info(self, n_workers=-1):
+        return {"workers": {f"w{i}": w for i, w in enumerate(self.workers)}}
+
+
+def test_zarr_column_block_follows_cluster_memory():
+    """Between passes the tails of P over all rows fit half the cluster's memory."""
+    from dkicf._backends import store_columns
+
+    two = _FakeClient([{"nthreads": 1, "memory_limit": 100_000_000}] * 2)
+    n = 1_000_000
+    cb = store_columns(two, n, 50, 32)
+    # Half of 200 MB, less four float64 vectors per row, in columns of 8 MB.
+    assert cb == (100_000_000 - 32 * n) // (8 * n) == 8
+    assert store_columns(two, 1000, 50, 32) == 32  # small data: the usual width
+    assert store_columns(two, 1000, 5, 32) == 5  # never wider than P
+    assert store_columns(_FakeClient([{"nthreads": 1, "memory_limit": 0}]), n, 50, 32) == 32
+    with pytest.raises(ValueError, match=r"10000000 rows need .* Add workers"):
+        store_columns(two, 10_000_000, 50, 32)
+
+
+def test_zarr_column_block_is_recorded_in_the_array(client, X, tmp_path, monkeypatch):
+    """The fit writes P with the width chosen from memory, and still equals the reference."""
+    from dkicf import _backends
+
+    # Room for 7.5 columns of 900 rows and the four vectors on the 2 x 2 GiB cluster.
+    room = (7.5 * 8 + 32) * 900
+    monkeypatch.setattr(_backends, "_STORE_HOLD_FRACTION", room / (2 * 2 * 2**30))
+    url = str(tmp_path / "P.zarr")
+    res = incomplete_cholesky(da.from_array(X, chunks=300), gamma=0.6, max_rank=40, tol=0,
+                              client=client, p_store=url)
+    assert zarr.open_array(url, mode="r").chunks[1] == 7
+    ref = incomplete_cholesky(X, gamma=0.6, max_rank=40, tol=0)
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P, atol=1e-10, rtol=0)
