@@ -80,11 +80,18 @@ def main(argv=None) -> None:
 
         client.run(start_rss_sampler)
         r0 = sum(client.run(_rchar).values())
+        icf_read = []
+
+        def progress(event):
+            # After each factorization pass: the bytes the workers read so far.
+            if type(event).__name__ == "ICFProgress":
+                icf_read.append(sum(client.run(_rchar).values()) - r0)
+
         t0 = time.perf_counter()
         report = fit_store(
             str(data), str(out),
             dict(n_clusters=args.clusters, gamma="median", rank=args.rank, random_state=0),
-            client=client, overwrite=True, persist="no",
+            client=client, overwrite=True, persist="no", progress=progress,
         )
         wall = time.perf_counter() - t0
         read = sum(client.run(_rchar).values()) - r0
@@ -94,16 +101,23 @@ def main(argv=None) -> None:
         client.close()
         cluster.close()
 
+    passes = report["n_passes"]
     it = report["icf_s"] / max(report["rank"], 1)
+    per_pass = report["icf_s"] / max(passes, 1)
     print(f"fit wall time: {wall:.1f} s (ICF {report['icf_s']:.1f} s, k-means "
           f"{report['kmeans_s']:.1f} s, writing {report['write_s']:.1f} s)")
     print(f"P kept in: {report.get('p_storage', '?')}; accuracy {report.get('accuracy')}")
-    print(f"time per ICF iteration: {it:.2f} s; ratio to a plain pass = {it / t_pass:.2f} "
-          "(target <= 1.5)")
-    passes = report["n_passes"]
-    print(f"bytes read: {read / 1e9:.2f} GB over {passes} passes = "
-          f"{read / passes / 1e9:.2f} GB per pass ({read / passes / disk:.2f}x X on disk, "
-          f"{read / passes / x_bytes:.2f}x X in memory)")
+    print(f"ICF: rank {report['rank']} in {passes} passes over X (the first computes the "
+          f"diagonal); {per_pass:.2f} s per pass = {per_pass / t_pass:.2f} plain passes")
+    print(f"time per ICF iteration (one pivot): {it:.2f} s; ratio to a plain pass = "
+          f"{it / t_pass:.2f} (target <= 1.5)")
+    if icf_read:
+        icf_bytes = icf_read[-1]
+        print(f"bytes read by the factorization: {icf_bytes / 1e9:.2f} GB over {passes} passes "
+              f"= {icf_bytes / passes / 1e9:.2f} GB per pass ({icf_bytes / passes / disk:.2f}x "
+              "X on disk; the rest is P's flushed columns read back from Zarr)")
+    print(f"bytes read by the whole fit: {read / 1e9:.2f} GB (k-means reads P, "
+          f"{report['rank'] * n * 8 / 1e9:.2f} GB, besides)")
     for addr, peak in sorted(peaks.items()):
         print(f"worker {addr}: peak RSS {peak / 2**20:.0f} MiB = {peak / limit:.2f} of its limit "
               "(must stay < 0.95)")

@@ -194,6 +194,8 @@ class DaskBackend:
         if len(sizes) < len(self.input_chunks):
             X = X.rechunk({0: sizes})
         self.chunks = tuple(int(c) for c in X.chunks[0])
+        # What a task may spend on a block's kernel columns (see BlockSizer).
+        self.task_bytes = task_budget(*_worker_resources(self.client), self.n, store)
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
         first = np.searchsorted(input_starts, self.offsets[:-1])
         self._labels = [
@@ -208,8 +210,8 @@ class DaskBackend:
         self.rebase_every = rebase_every
         self._last_rebase = 0
         self._x_blocks = list(X.to_delayed().ravel())
-        # One single-chunk dask array per row chunk, for the per-pass reads.
-        self._x_arrays = [X.blocks[j] for j in range(X.numblocks[0])]
+        # One small graph per row chunk, for the per-pass reads.
+        self._x_lazy = _chunk.LazyChunk.row_chunks(X)
         self.persist = persist
         self._x_step = None
         self._x_futs = None
@@ -254,7 +256,7 @@ class DaskBackend:
             return self._x_futs[j]
         # Streaming: the task reads its chunk itself, so no chunk outlives the
         # task that uses it and every pass reads X afresh.
-        return _chunk.LazyChunk(self._x_arrays[j])
+        return self._x_lazy[j]
 
     def summary(self, m: int = 1, first: bool = False) -> dict:
         futs = [
@@ -614,12 +616,31 @@ def store_columns(client, n: int, capacity: int, largest: int) -> int:
 _GROUP_MEMORY_FRACTION = 0.25
 
 
+def task_budget(limits, threads, n: int, store) -> float:
+    """Bytes one task of a pass may hold: a quarter of a thread's share of memory.
+
+    The share is of the smallest worker's limit, less, with P in Zarr, what
+    every worker holds between passes (its rows' tails of P and vectors, see
+    :func:`store_columns`).  Infinite without memory limits.
+    """
+    known = [lim for lim in limits if lim > 0]
+    if not known:
+        return float("inf")
+    free = min(known)
+    if store is not None:
+        held = 8 * (_STATE_VECTORS + store.columns) * n / max(len(limits), 1)
+        free = max(free - held, 0.25 * free)
+    return _GROUP_MEMORY_FRACTION * free / max(threads)
+
+
 def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[int, ...]:
     """Row counts of the tasks of one pass: consecutive chunks of X grouped.
 
     About one group per worker thread, each holding at most a quarter of a
     thread's share of the smallest worker's memory (X in float64 and as
     stored, P's columns in memory, a few vectors), never splitting a chunk.
+    With P in Zarr, the share is of the memory that the states held between
+    passes leave free.
     With P in Zarr the groups stay aligned with its Zarr chunks, whose rows
     divide every chunk of X.
     """
@@ -632,11 +653,9 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[in
     width = capacity if store is None else store.columns
     per_row = 8 * d + np.dtype(dtype).itemsize * d + 8 * width + 8 * 6
     known = [lim for lim in limits if lim > 0]
-    budget = (
-        _GROUP_MEMORY_FRACTION * min(known) / max(threads) if known else float("inf")
-    )
     starts = np.concatenate([[0], np.cumsum(chunks)])
     n = starts[-1]
+    budget = task_budget(limits, threads, n, store)
     for g in range(n_threads, m + 1):
         # Cut at the chunk boundaries nearest to equal shares of rows.
         t = np.arange(1, g) * n / g

@@ -273,15 +273,30 @@ class LazyChunk:
 
     Streaming passes hand tasks this small object instead of a future holding
     the chunk, so no chunk stays in memory longer than the task that reads it.
+    It carries only the tasks that produce its chunk (a few reads of the
+    source), not the graph of the whole array: every pass ships one per
+    task, and the scheduler keeps them while the task's result is in memory.
     """
 
-    __slots__ = ("block",)
+    __slots__ = ("graph", "key")
 
-    def __init__(self, block):
-        self.block = block  # a single-chunk dask array
+    def __init__(self, graph: dict, key):
+        self.graph = graph
+        self.key = key
+
+    @classmethod
+    def row_chunks(cls, X) -> list:
+        """One :class:`LazyChunk` per row chunk of the dask array ``X`` (one column chunk)."""
+        from dask.core import flatten
+        from dask.optimization import cull
+
+        graph = dict(X.__dask_graph__())
+        return [cls(cull(graph, [key])[0], key) for key in flatten(X.__dask_keys__())]
 
     def read(self) -> np.ndarray:
-        return np.asarray(self.block.compute(scheduler="sync"))
+        from dask.local import get_sync
+
+        return np.asarray(get_sync(self.graph, self.key))
 
     def __array__(self, dtype=None, copy=None):
         out = self.read()

@@ -241,6 +241,10 @@ def incomplete_cholesky(
         Block rules only: the largest number of pivots per pass.  Default:
         as many as memory allows (a chunk task holds ``rows x block_size``
         kernel values); the blocks are adapted to the data below this cap.
+        RPCholesky's pivots depend on where its blocks end: for a run that
+        must repeat bit for bit on another cluster or chunking of large
+        data, fix ``block_size`` (the default cap follows the rows per task
+        and the workers' memory).
     block_delta : float, default=0.0
         ``"block-greedy"`` only: accept a candidate whose updated residual is
         within a factor ``1 - block_delta`` of the bound on the other rows.
@@ -522,7 +526,8 @@ def _block_loop(
     roundoff = kernel.roundoff(summary.get("max_sqnorm", 0.0), d)
     if rank_tol is None:
         rank_tol = _EPS * max_diag * max(n, roundoff)
-    sizer = _pivoting.BlockSizer(rule, capacity, n, d, _rows_per_task(backend, n), block_size)
+    sizer = _pivoting.BlockSizer(rule, capacity, n, d, _rows_per_task(backend, n), block_size,
+                                 getattr(backend, "task_bytes", None))
     history = _chunk.History(kernel, capacity, d)
     trace_errors: list[float] = []
     blocks: list[tuple[int, int, str]] = []  # (candidates, pivots, why the block ended)

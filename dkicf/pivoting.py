@@ -656,7 +656,8 @@ class BlockSizer:
     """Adaptive candidate count ``m`` and largest block ``b`` of the block rules.
 
     ``b`` is capped by ``block_size`` (if given), by ``max_rank - rank`` and by
-    memory: a chunk task holds ``rows_per_task x b`` kernel values.  ``m``
+    memory: a chunk task holds ``rows_per_task x b`` kernel values, in at
+    most ``task_bytes`` (a share of a worker's memory; default 256 MiB).  ``m``
     starts at ``n / 32`` (within [64, 4096]) and doubles while at least one
     candidate in 16 is accepted (a larger candidate set lowers the bound and
     lets more pivots through); it stays below ``max(1024, n / 8)`` so that
@@ -672,12 +673,14 @@ class BlockSizer:
         d: int,
         rows_per_task: int,
         block_size: int | None,
+        task_bytes: float | None = None,
     ):
         self.rule = rule
         self.capacity = capacity
         self.n = n
         self.d = d
-        b_mem = max(1, _TASK_BYTES // (24 * max(rows_per_task, 1)))
+        budget = _TASK_BYTES if task_bytes is None else min(_TASK_BYTES, task_bytes)
+        b_mem = max(1, int(budget // (24 * max(rows_per_task, 1))))
         self.b_cap = block_size if block_size is not None else b_mem
         if rule == "block-greedy":
             self.m = min(n, max(64, min(n // 32, 4096)))

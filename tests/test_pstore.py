@@ -173,3 +173,19 @@ def test_zarr_column_block_is_recorded_in_the_array(client, X, tmp_path, monkeyp
     ref = incomplete_cholesky(X, gamma=0.6, max_rank=40, tol=0)
     np.testing.assert_array_equal(res.pivots, ref.pivots)
     np.testing.assert_allclose(res.P.compute(), ref.P, atol=1e-10, rtol=0)
+
+
+def test_streamed_chunks_carry_only_their_own_reads(tmp_path):
+    """Each pass ships one LazyChunk per task: it must not carry the whole array's graph."""
+    from dkicf._chunk import LazyChunk
+
+    data = np.random.default_rng(0).normal(size=(4000, 3))
+    zarr.create_array(str(tmp_path / "X.zarr"), data=data, chunks=(100, 3))
+    X = da.from_zarr(str(tmp_path / "X.zarr")).rechunk({0: 1000})  # 40 reads -> 4 tasks
+    lazy = LazyChunk.row_chunks(X)
+    assert len(lazy) == 4
+    full = len(dict(X.__dask_graph__()))
+    for j, chunk in enumerate(lazy):
+        np.testing.assert_array_equal(np.asarray(chunk), data[1000 * j : 1000 * (j + 1)])
+        # Its 10 Zarr reads and the merge, not the 40 reads of the array.
+        assert len(chunk.graph) <= full // 3
