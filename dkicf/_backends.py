@@ -71,7 +71,7 @@ class NumpyBackend:
     def rows(self, index: np.ndarray):
         return _chunk.chunk_rows(self.X, self.state, index)
 
-    def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1) -> dict:
+    def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1, stash: int = 0) -> dict:
         st = self.state
         args = (self.X, st.P, st.e, st.aux, block)
         if self._pool is None:
@@ -297,8 +297,14 @@ class DaskBackend:
                 aux[pos] = a_
         return xr, aux, pr, er
 
-    def apply(self, block: _chunk.PivotBlock, history: _chunk.History, m: int = 1) -> dict:
-        """Send the block to every chunk and return the new global summary."""
+    def apply(
+        self, block: _chunk.PivotBlock, history: _chunk.History, m: int = 1, stash: int = 0
+    ) -> dict:
+        """Send the block to every chunk and return the new global summary.
+
+        ``stash``: streamed chunks keep the X rows of their ``stash + 1``
+        largest residuals for the next :meth:`rows` (see ``chunk_update``).
+        """
         arg = block
         if _block_nbytes(block) * len(self.states) > _INLINE_BLOCK_BYTES:
             # Large blocks become one task shared by every chunk: sent to the
@@ -311,7 +317,7 @@ class DaskBackend:
         self.states = [
             self.client.submit(
                 _chunk.chunk_update, self._x(j), st, arg,
-                None if inbox is None else (inbox.topic, self.step, j),
+                None if inbox is None else (inbox.topic, self.step, j), stash,
                 key=f"icf-update-{self.token}-{self.step}-{j}",
             )
             for j, st in enumerate(self.states)

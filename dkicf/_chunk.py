@@ -178,7 +178,7 @@ class ChunkState:
 
     __slots__ = (
         "P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store", "cache",
-        "spare", "segments",
+        "spare", "segments", "stash",
     )
 
     def __init__(
@@ -205,6 +205,10 @@ class ChunkState:
         # The chunk's summary (chunk_stats with m=1 and rows) computed by the
         # update while X was in memory, so that a streaming pass reads X once.
         self.cache = None
+        # Streaming block rules: (local rows, their rows of X in float64) of
+        # the largest residuals, kept by the update for the next candidate
+        # request (see chunk_rows), so that fetching candidates reads no X.
+        self.stash = None
 
     @property
     def n_rows(self) -> int:
@@ -217,7 +221,8 @@ class ChunkState:
 
     def __getstate__(self):
         # The spare buffer is scratch memory: not worth sending or spilling.
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("spare", "cache")}
+        return {k: getattr(self, k) for k in self.__slots__
+                if k not in ("spare", "cache", "stash")}
 
     def __setstate__(self, state):
         for k in self.__slots__:
@@ -471,9 +476,15 @@ def refresh_row_stats(parts: list, e: np.ndarray, rows: np.ndarray, blocks: list
 
 
 def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
-    """Rows of X (float64) and of P (first ``rank`` columns) at local indices."""
+    """Rows of X (float64) and of P (first ``rank`` columns) at local indices.
+
+    Rows of X that the update kept in ``state.stash`` are not read again: a
+    streamed chunk is then not read at all.
+    """
     local = np.asarray(local, dtype=np.int64)
-    xr = as_float(np.asarray(x)[local])
+    xr = _stashed_rows(state, local)
+    if xr is None:
+        xr = as_float(materialize(x)[local])
     aux = None if state.aux is None else state.aux[local].copy()
     if state.store is None:
         pr = np.array(state.P[local, : state.rank], dtype=_FLOAT)
@@ -487,6 +498,38 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
             )
         pr[:, f:] = state.P[local, : state.rank - f]
     return xr, aux, pr, state.e[local].copy()
+
+
+def _stashed_rows(state: ChunkState, local: np.ndarray) -> np.ndarray | None:
+    """The rows ``local`` of X from the state's stash, or None if any is missing."""
+    if state.stash is None:
+        return None
+    kept, rows = state.stash
+    pos = np.searchsorted(kept, local)
+    pos = np.minimum(pos, kept.shape[0] - 1)
+    if kept.shape[0] == 0 or not np.array_equal(kept[pos], local):
+        return None
+    return rows[pos]
+
+
+# Largest stash of candidate rows a chunk state keeps (bytes).
+_STASH_BYTES = 32 << 20
+
+
+def _stash_top(state: ChunkState, x: np.ndarray, count: int) -> None:
+    """Keep the rows of X of the chunk's ``count`` largest residuals (ties: lowest rows)."""
+    e = state.e
+    n = e.shape[0]
+    if count <= 0 or n == 0 or min(count, n) * x.shape[1] * 8 > _STASH_BYTES:
+        return
+    if count < n:
+        threshold = e[np.argpartition(-e, count - 1)[count - 1]]
+        kept = np.flatnonzero(e >= threshold)  # every row tied at the cut
+        if kept.shape[0] * x.shape[1] * 8 > _STASH_BYTES:
+            return
+    else:
+        kept = np.arange(n)
+    state.stash = (kept, x[kept])
 
 
 def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) -> list:
@@ -553,7 +596,8 @@ def finish_block(P, e, offset: int, block: PivotBlock, pivots: np.ndarray) -> np
 
 
 def chunk_update(
-    x: np.ndarray, state: ChunkState, block: PivotBlock, report: tuple | None = None
+    x: np.ndarray, state: ChunkState, block: PivotBlock, report: tuple | None = None,
+    stash: int = 0,
 ) -> ChunkState:
     """Add the block's ``b`` columns to this chunk's piece of P (one dask task).
 
@@ -564,10 +608,14 @@ def chunk_update(
 
     ``report = (topic, step, chunk)`` also sends the new state's summary to
     the driver as a dask event on ``topic`` (see :func:`report_summary`).
+    ``stash > 0`` (a streamed chunk, for a block rule that will ask for that
+    many candidates) keeps the X rows of the new state's largest residuals,
+    so the candidates' rows are found without reading the chunk again.
     """
     i = block.rank
     if state.rank != i:
         raise RuntimeError(f"chunk at rank {state.rank} received a block for rank {i}")
+    streamed = isinstance(x, LazyChunk)
     x = materialize(x)
     with threadpool_limits(1):
         x = as_float(x)
@@ -584,6 +632,8 @@ def chunk_update(
             refresh_row_stats(parts, e, pivots[len(state.pivots):], blocks)
             new = state.successor(state.P, e, i + block.index.shape[0], pivots)
         new.cache = chunk_stats(new, 1, x, rows=True, parts=parts)
+        if streamed and stash:
+            _stash_top(new, x, stash + 1)  # the candidates and the row that bounds the others
     if report is not None:
         report_summary(report, new.cache)
     return new

@@ -618,7 +618,10 @@ def _block_loop(
             rank=i,
         )
         history.append(block)
-        summary = backend.apply(block, history, 1)
+        # Block greedy's next candidates are the largest residuals after this
+        # pass: streamed chunks keep their rows of X while they have them.
+        stash = sizer.count(i + b) if rule == "block-greedy" else 0
+        summary = backend.apply(block, history, 1, stash=stash)
         trace = summary["trace"]
         lo, hi = i, i + b
     if storage is not None:

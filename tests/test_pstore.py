@@ -1,5 +1,7 @@
 """P kept in Zarr (``p_store=``): same factorization as in worker memory, small chunk states."""
 
+import pickle
+
 import dask.array as da
 import numpy as np
 import pytest
@@ -189,3 +191,52 @@ def test_streamed_chunks_carry_only_their_own_reads(tmp_path):
         np.testing.assert_array_equal(np.asarray(chunk), data[1000 * j : 1000 * (j + 1)])
         # Its 10 Zarr reads and the merge, not the 40 reads of the array.
         assert len(chunk.graph) <= full // 3
+
+
+class _Unreadable(_chunk.LazyChunk):
+    """Stands for a streamed chunk that must not be read."""
+
+    def __init__(self):
+        super().__init__({}, None)
+
+    def read(self):
+        raise AssertionError("the chunk was read again")
+
+
+def test_streamed_update_keeps_the_candidates_rows(tmp_path):
+    """A streamed block-greedy pass keeps its top rows of X: fetching candidates reads no X."""
+    from dkicf._chunk import LazyChunk, chunk_rows
+    from dkicf.pivoting import _top_rows
+
+    data = np.random.default_rng(1).normal(size=(600, 3)).astype(np.float32)
+    zarr.create_array(str(tmp_path / "X.zarr"), data=data, chunks=(200, 3))
+    (lazy,) = LazyChunk.row_chunks(da.from_zarr(str(tmp_path / "X.zarr")).rechunk({0: 600}))
+    kern = GaussianKernel(0.5)
+    state = _chunk.chunk_init(data, kern, 0, 10, 0)
+    stats = _chunk.chunk_stats(state, 1, data, rows=True)
+    block = _chunk.PivotBlock(kern, stats["index"], stats["x_rows"], stats["aux"],
+                              stats["p_rows"], np.array([[np.sqrt(stats["values"][0])]]), 0)
+    new = _chunk.chunk_update(lazy, state, block, stash=40)
+    top = _top_rows(new.e, 41)
+    xr, aux, pr, er = chunk_rows(_Unreadable(), new, top)
+    np.testing.assert_array_equal(xr, data[top].astype(np.float64))
+    np.testing.assert_array_equal(pr, new.P[top, :1])
+    np.testing.assert_array_equal(er, new.e[top])
+    # A row outside the stash is read from the chunk; without a stash, so is every row.
+    outside = np.setdiff1d(np.arange(600), new.stash[0])[:1]
+    with pytest.raises(AssertionError, match="read again"):
+        chunk_rows(_Unreadable(), new, outside)
+    assert _chunk.chunk_update(data, state, block, stash=40).stash is None  # in memory: no copy
+    assert pickle.loads(pickle.dumps(new)).stash is None  # scratch: never shipped
+
+
+def test_streamed_block_greedy_equals_in_memory(client, X, tmp_path):
+    zarr.create_array(str(tmp_path / "X.zarr"), data=X, chunks=(150, 3))
+    Xz = da.from_zarr(str(tmp_path / "X.zarr"))
+    kw = {"gamma": 0.6, "max_rank": 60, "tol": 0, "pivoting": "block-greedy"}
+    streamed = incomplete_cholesky(Xz, client=client, persist=False, **kw)
+    ref = incomplete_cholesky(X, pivoting="greedy", **{k: v for k, v in kw.items()
+                                                       if k != "pivoting"})
+    np.testing.assert_array_equal(streamed.pivots, ref.pivots)
+    np.testing.assert_allclose(streamed.P.compute(), ref.P, atol=1e-10, rtol=0)
+    assert streamed.n_passes < ref.n_passes
