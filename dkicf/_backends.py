@@ -317,10 +317,11 @@ class DaskBackend:
         self.states = [
             self.client.submit(
                 _chunk.chunk_update, self._x(j), st, arg,
-                None if inbox is None else (inbox.topic, self.step, j), stash,
+                None if inbox is None else (inbox.topic, self.step, j),
+                _stash_share(stash, c, self.n),
                 key=f"icf-update-{self.token}-{self.step}-{j}",
             )
-            for j, st in enumerate(self.states)
+            for j, (st, c) in enumerate(zip(self.states, self.chunks))
         ]
         parts = None if inbox is None else inbox.collect(self.step, self.states)
         if parts is None:
@@ -540,6 +541,17 @@ class _EventInbox:
             except Exception:  # pragma: no cover - client already closed
                 pass
             self._subscribed = False
+
+
+def _stash_share(count: int, rows: int, n: int) -> int:
+    """Candidate rows a chunk of ``rows`` of ``n`` keeps for a request of ``count``.
+
+    Four times its share of the rows, and at least 64: a chunk that holds
+    more of the candidates than it kept is read again (same rows, same bits).
+    """
+    if count <= 0:
+        return 0
+    return int(min(count, math.ceil(4 * count * rows / max(n, 1)) + 64))
 
 
 def _placement(client, chunks) -> list[str | None]:
