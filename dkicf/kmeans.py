@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy import sparse
 
-from ._chunk import chunk_digest, threadpool_limits
+from ._chunk import LazyChunk, chunk_digest, materialize, threadpool_limits
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from .errors import worker_failure, worker_failure_types
 
@@ -255,7 +255,7 @@ def _in_task(fn, *args):
     would oversubscribe them.
     """
     with threadpool_limits(1):
-        return fn(*args)
+        return fn(materialize(args[0]), *args[1:])
 
 
 # --------------------------------------------------------------------------- backends
@@ -297,17 +297,23 @@ class _DaskBackend:
     the erred ones of a fit that failed and whose exception is still held.
     """
 
-    def __init__(self, P, client):
+    def __init__(self, P, client, persist: bool = True):
         import uuid
 
         from ._cluster import get_client
 
         self.token = uuid.uuid4().hex
         self.client = get_client(client)
+        if P.numblocks[1] != 1:
+            P = P.rechunk({1: -1})
         self.n, self.s = (int(v) for v in P.shape)
         self.chunks = tuple(int(c) for c in P.chunks[0])
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
-        self.blocks = self.client.compute(list(P.to_delayed().ravel()))
+        if persist:
+            self.blocks = self.client.compute(list(P.to_delayed().ravel()))
+        else:
+            # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
+            self.blocks = LazyChunk.row_chunks(P)
 
     def _submit(self, name: str, fn, j: int, *args):
         from dask.base import tokenize
@@ -366,8 +372,8 @@ class _DaskBackend:
         self.blocks = None
 
 
-def _backend(P, client):
-    return _DaskBackend(P, client) if is_dask_array(P) else _NumpyBackend(P)
+def _backend(P, client, persist: bool = True):
+    return _DaskBackend(P, client, persist) if is_dask_array(P) else _NumpyBackend(P)
 
 
 def _full_pass(backend, centers: np.ndarray):
@@ -969,6 +975,7 @@ def kmeans(
     resume: bool = False,
     overwrite: bool = False,
     storage_options: dict | None = None,
+    persist: bool = True,
 ) -> KMeansResult:
     """K-means on the rows of P, in memory or on a dask cluster.
 
@@ -1056,6 +1063,13 @@ def kmeans(
         dkicf did not create).
     storage_options : dict, optional
         fsspec options (credentials, endpoint) of ``checkpoint``.
+    persist : bool, default=True
+        Dask P only: compute P's chunks once into worker memory (the
+        fastest).  ``False`` reads each chunk from P's source (for example
+        the Zarr array of a factorization run with ``p_store=``) in every task
+        that needs it, so that a P larger than the cluster's memory is never
+        held, at the cost of a read of P per pass and per batch of
+        mini-batch steps fetched.  The result is the same.
 
     Returns
     -------
@@ -1114,9 +1128,11 @@ def kmeans(
     if checkpoint_every is None:
         checkpoint_every = _CHECKPOINT_EVERY[cfg.algorithm]
     checkpoint_every = check_positive_int(checkpoint_every, "checkpoint_every")
+    if not isinstance(persist, bool):
+        raise TypeError(f"persist must be True or False, got {persist!r}.")
     seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max,
                                                          size=cfg.n_init)
-    backend = _backend(P, client)
+    backend = _backend(P, client, persist)
     pos, ckpt = _Position(cfg.n_init), None
     try:
         if checkpoint is not None:

@@ -262,6 +262,8 @@ def fit_store(
             icf.P, model.n_clusters, algorithm=model.algorithm, batch_size=model.batch_size,
             n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
             random_state=km_seed, client=client, progress=progress,
+            # A P kept in Zarr is larger than the cluster's memory: read, not held.
+            persist=plan.p_storage != "zarr",
             **_kmeans_checkpoint_args(checkpoint, resume, storage_options),
         )
         t_km = time.perf_counter() - t0

@@ -255,6 +255,25 @@ def test_numpy_and_dask_agree(km_client, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_reading_p_from_zarr_each_pass_equals_holding_it(km_client, algorithm, tmp_path):
+    """persist=False (P larger than memory) reads P's chunks per task: same result."""
+    import dask.array as da
+    import zarr
+
+    X = overlapping(sum(UNEVEN))
+    zarr.create_array(str(tmp_path / "P.zarr"), data=X, chunks=(100, X.shape[1]))
+    P = da.from_zarr(str(tmp_path / "P.zarr"))
+    kw = dict(algorithm=algorithm, batch_size=50, max_iter=20, n_init=2, random_state=4)
+    held = kmeans(P, 5, client=km_client, **kw)
+    read = kmeans(P, 5, client=km_client, persist=False, **kw)
+    assert_array_equal(read.labels.compute(), held.labels.compute())
+    assert_array_equal(read.cluster_centers, held.cluster_centers)
+    assert read.inertia == held.inertia and read.n_iter == held.n_iter
+    with pytest.raises(TypeError, match="persist must be True or False"):
+        kmeans(P, 5, client=km_client, persist="no")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_chunkings_agree(km_client, algorithm):
     X = overlapping(sum(UNEVEN))
     kw = dict(algorithm=algorithm, batch_size=50, max_iter=15, n_init=2, random_state=2)

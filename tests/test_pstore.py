@@ -240,3 +240,12 @@ def test_streamed_block_greedy_equals_in_memory(client, X, tmp_path):
     np.testing.assert_array_equal(streamed.pivots, ref.pivots)
     np.testing.assert_allclose(streamed.P.compute(), ref.P, atol=1e-10, rtol=0)
     assert streamed.n_passes < ref.n_passes
+
+
+def test_stash_share_of_a_chunk():
+    from dkicf._backends import _stash_share
+
+    assert _stash_share(0, 500, 1000) == 0  # no candidates asked: nothing kept
+    assert _stash_share(100, 10, 1000) == 64 + 4  # small chunk: its 4x share and a margin
+    assert _stash_share(100, 500, 1000) == 100  # never more than asked
+    assert _stash_share(10_000, 1000, 1_000_000) == 40 + 64
