@@ -253,7 +253,8 @@ def incomplete_cholesky(
     p_store : str, optional
         Dask input only: local path or fsspec URL where a Zarr array for P is
         created, for a P larger than the cluster's memory.  Each task then
-        keeps only its last ``< 32`` columns in memory and streams the others
+        keeps only its last ``< cb`` columns in memory (``cb`` up to 32, fewer
+        when the rows are many for the cluster's memory) and streams the others
         from Zarr; ``res.P`` reads the array.  The pivots equal those of the
         in-memory run (with any pivot rule) and P agrees to rounding.
     checkpoint : str, optional
