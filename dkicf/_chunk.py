@@ -516,20 +516,27 @@ def _stashed_rows(state: ChunkState, local: np.ndarray) -> np.ndarray | None:
 _STASH_BYTES = 32 << 20
 
 
-def _stash_top(state: ChunkState, x: np.ndarray, count: int) -> None:
-    """Keep the rows of X of the chunk's ``count`` largest residuals (ties: lowest rows)."""
-    e = state.e
+def rows_reaching_top(e: np.ndarray, m: int) -> np.ndarray:
+    """Increasing indices of the entries ``>=`` the ``m``-th largest of ``e``.
+
+    Every entry tied with the ``m``-th value is included, so a cut that
+    breaks ties by the lowest index can be made from these rows alone.
+    """
     n = e.shape[0]
-    if count <= 0 or n == 0 or min(count, n) * x.shape[1] * 8 > _STASH_BYTES:
+    if m >= n:
+        return np.arange(n)
+    threshold = e[np.argpartition(-e, m - 1)[m - 1]]
+    return np.flatnonzero(e >= threshold)
+
+
+def _stash_top(state: ChunkState, x: np.ndarray, count: int) -> None:
+    """Keep the rows of X of the chunk's ``count`` largest residuals (and rows tied at the cut)."""
+    e = state.e
+    if count <= 0 or e.shape[0] == 0 or min(count, e.shape[0]) * x.shape[1] * 8 > _STASH_BYTES:
         return
-    if count < n:
-        threshold = e[np.argpartition(-e, count - 1)[count - 1]]
-        kept = np.flatnonzero(e >= threshold)  # every row tied at the cut
-        if kept.shape[0] * x.shape[1] * 8 > _STASH_BYTES:
-            return
-    else:
-        kept = np.arange(n)
-    state.stash = (kept, x[kept])
+    kept = rows_reaching_top(e, count)
+    if kept.shape[0] * x.shape[1] * 8 <= _STASH_BYTES:
+        state.stash = (kept, x[kept])
 
 
 def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) -> list:

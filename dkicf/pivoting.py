@@ -200,12 +200,9 @@ def _top_rows(e: np.ndarray, m: int) -> np.ndarray:
     the rows kept at a tie are the lowest-indexed ones, as the sequential
     rule's ``argmax`` would take them.
     """
-    n = e.shape[0]
-    if m < n:
-        threshold = e[np.argpartition(-e, m - 1)[m - 1]]
-        sel = np.flatnonzero(e >= threshold)
-    else:
-        sel = np.arange(n)
+    from ._chunk import rows_reaching_top
+
+    sel = rows_reaching_top(e, m)
     return sel[np.lexsort((sel, -e[sel]))][:m]
 
 
