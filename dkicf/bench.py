@@ -351,14 +351,23 @@ def _note(caught) -> str:
 
 
 class _Recorder:
-    """Rows in memory and in results.csv, flushed row by row."""
+    """Rows in memory and in results.csv, flushed row by row.
 
-    def __init__(self, path: Path):
-        self.rows: list[dict] = []
-        self._file = open(path, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed in close()
+    ``previous`` rows (a resumed run's) are written first, through a temporary
+    file renamed over ``path``, so an existing file is never left half-written.
+    """
+
+    def __init__(self, path: Path, previous: Sequence[dict] = ()):
+        self.rows: list[dict] = list(previous)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow({k: _csv_value(row.get(k)) for k in _CSV_FIELDS})
+        os.replace(tmp, path)
+        self._file = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._writer = csv.DictWriter(self._file, fieldnames=_CSV_FIELDS)
-        self._writer.writeheader()
-        self._file.flush()
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
@@ -367,6 +376,60 @@ class _Recorder:
 
     def close(self) -> None:
         self._file.close()
+
+
+_INT_FIELDS = ("n", "n_features", "n_clusters", "size", "rank", "repeat", "seed", "n_iter")
+_FLOAT_FIELDS = ("gamma", "acc", "nmi", "time_s", "factor_time_s", "kmeans_time_s")
+
+
+def _read_results(path: Path) -> list[dict]:
+    """The rows of a results.csv written by :func:`run_paper` (for ``resume``).
+
+    A last line cut short by an interrupted write is dropped; any other
+    malformed row is an error naming the file and the line.
+    """
+    with open(path, newline="", encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # the run stopped while writing this row
+    reader = csv.DictReader(lines)
+    if tuple(reader.fieldnames or ()) != _CSV_FIELDS:
+        raise ValueError(
+            f"{path} is not a results.csv of 'dkicf bench paper' (its columns are "
+            f"{reader.fieldnames}); use another out_dir or resume=False."
+        )
+    rows = []
+    for line, raw in enumerate(reader, start=2):
+        try:
+            row = {k: raw[k] for k in _CSV_FIELDS}
+            for k in _INT_FIELDS:
+                row[k] = int(row[k]) if row[k] else None
+            for k in _FLOAT_FIELDS:
+                row[k] = float(row[k]) if row[k] else None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{path}, line {line}: cannot read this row ({exc}); the file is damaged. "
+                "Remove the row or use another out_dir."
+            ) from None
+        rows.append(row)
+    return rows
+
+
+def _read_traces(path: Path) -> dict[str, _Trace]:
+    """The curves of a trace_error.csv written by :func:`run_paper` (for ``resume``)."""
+    curves: dict[str, dict[int, float]] = {}
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            for raw in csv.DictReader(f):
+                curves.setdefault(raw["dataset"], {})[int(raw["rank"])] = float(raw["trace_error"])
+    except (KeyError, TypeError, ValueError):
+        return {}  # unreadable: the curves are computed again
+    out = {}
+    for token, points in curves.items():
+        rank = max(points)
+        if 0 in points and all(r in points for r in range(1, rank + 1)):
+            out[token] = _Trace(points[0], np.array([points[r] for r in range(1, rank + 1)]))
+    return out
 
 
 def _csv_value(v):
@@ -436,6 +499,7 @@ def run_paper(
     max_iter: int = PAPER_MAX_ITER,
     dataset_repeats: Mapping[str, int] | None = None,
     method_repeats: Mapping[str, int] | None = None,
+    resume: bool = False,
 ) -> list[dict]:
     """Run every method over the paper's grid and write the tables and figures.
 
@@ -487,6 +551,15 @@ def run_paper(
         Repeats for some datasets instead of ``repeats`` (e.g. ``{"mnist": 5}``).
     method_repeats : mapping of str to int, optional
         A cap on the repeats of some methods (e.g. ``{"kernel+chol": 3}``).
+    resume : bool, default=False
+        Keep the rows of an existing ``out_dir/results.csv`` and run only the
+        missing ones (a run is identified by experiment, dataset, method, size
+        and repeat), so an interrupted run continues, and a run can be
+        extended with more sizes or repeats.  The trace-error curves of an
+        existing ``trace_error.csv`` are reused when they reach the rank asked
+        for.  The old rows must come from the same ``seed`` and data (checked:
+        ``n``, ``gamma`` and every repeat's seed); ``n_init`` and ``max_iter``
+        are not stored, so keep them too.
 
     Returns
     -------
@@ -503,8 +576,9 @@ def run_paper(
     ------
     ValueError
         For an unknown dataset or method (the message lists the known ones), a
-        size larger than a dataset's ``n`` (the message gives both), or a
-        non-positive count.
+        size larger than a dataset's ``n`` (the message gives both), a
+        non-positive count, or with ``resume``, a results.csv from other
+        settings or a damaged one.
 
     Examples
     --------
@@ -551,31 +625,54 @@ def run_paper(
     def exact_ok(data: _Data) -> bool:
         return data.n <= max_exact_n
 
-    # Ranks to factorize per dataset: the grid's largest size and the trace curve.
-    need: dict[str, int] = {}
-    if "icf" in methods:
-        for token in datasets:
-            need[token] = min(sizes[-1], loaded[token].n)
-    for token in trace_datasets:
-        need[token] = max(need.get(token, 0), min(trace_rank, loaded[token].n))
-
-    total = len(need)
-    if synthetic:
-        total += len(SYNTHETIC) * (1 + repeats)
-    for token in datasets:
-        data = loaded[token]
-        for m in methods:
-            if m in _FULL_METHODS:
-                total += n_repeats(data, m) if exact_ok(data) else 0
-            else:
-                total += n_repeats(data, m) * len(sizes)
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    bar = _Progress(total, progress)
-    recorder = _Recorder(out / "results.csv")
-    factors: dict[str, _Factor] = {}
+    previous: list[dict] = []
+    old_traces: dict[str, _Trace] = {}
+    if resume and (out / "results.csv").exists():
+        previous = _read_results(out / "results.csv")
+        _check_resumable(previous, loaded, seed, out / "results.csv")
+        if (out / "trace_error.csv").exists():
+            old_traces = _read_traces(out / "trace_error.csv")
+    done = {(r["experiment"], r["dataset"], r["method"], r["size"], r["repeat"]) for r in previous}
+
+    def todo(experiment: str, token: str, method: str, s, r: int) -> bool:
+        return (experiment, token, method, s, r) not in done
+
+    # The runs still to do, as (method, size or None, repeat), in run order.
+    grid: dict[str, list[tuple[str, int | None, int]]] = {}
+    for token in datasets:
+        data = loaded[token]
+        cells = []
+        for r in range(max(n_repeats(data, m) for m in methods)):
+            for m in methods:
+                if m in _FULL_METHODS and r < n_repeats(data, m) and exact_ok(data):
+                    cells.append((m, None, r))
+            cells += [(m, s, r) for s in sizes for m in sized if r < n_repeats(data, m)]
+        grid[token] = [c for c in cells if todo("grid", token, *c)]
+
+    # Ranks to factorize per dataset: the largest size still to run and the trace curve.
+    need: dict[str, int] = {}
+    for token in datasets:
+        icf_sizes = [s for m, s, _ in grid[token] if m == "icf"]
+        if icf_sizes:
+            need[token] = min(max(icf_sizes), loaded[token].n)
     traces: dict[str, _Trace] = {}
+    for token in trace_datasets:
+        rank = min(trace_rank, loaded[token].n)
+        old = old_traces.get(token)
+        if old is not None and old.rank >= rank:
+            traces[token] = _Trace(old.initial_trace, old.trace_errors[:rank].copy())
+        else:
+            need[token] = max(need.get(token, 0), rank)
+
+    total = len(need) + sum(len(cells) for cells in grid.values())
+    if synthetic:
+        total += len(SYNTHETIC) * (1 + repeats)
+
+    bar = _Progress(total, progress)
+    recorder = _Recorder(out / "results.csv", previous)
+    factors: dict[str, _Factor] = {}
     synthetic_fits: dict[str, tuple[_Data, _Factor, np.ndarray]] = {}
     try:
         if synthetic:
@@ -587,8 +684,12 @@ def run_paper(
                 for r in range(repeats):
                     rseed = _repeat_seed(seed, r)
                     bar.where(f"{data.label} ICF s={_SYNTHETIC_RANK} repeat {r + 1}/{repeats}")
-                    labels = _record_icf(recorder, "synthetic", data, factor, _SYNTHETIC_RANK,
-                                         r, rseed, n_init, max_iter)
+                    if todo("synthetic", data.token, "icf", _SYNTHETIC_RANK, r):
+                        labels = _record_icf(recorder, "synthetic", data, factor,
+                                             _SYNTHETIC_RANK, r, rseed, n_init, max_iter)
+                    elif r == 0:  # done before; its labels are drawn again
+                        labels = _icf_fit(data, factor, _SYNTHETIC_RANK, rseed, n_init,
+                                          max_iter)[0]
                     if r == 0:
                         synthetic_fits[name] = (data, factor, labels)
                     bar.step()
@@ -597,37 +698,27 @@ def run_paper(
                 data = loaded[token]
                 bar.where(f"{data.label}: ICF to rank {need[token]}")
                 factors[token] = _factorize(data, need[token], _icf_reporter(bar, data.label))
-                if token in trace_datasets:
+                if token in trace_datasets and token not in traces:
                     res = factors[token].result
-                    traces[token] = _Trace(res.initial_trace, res.trace_errors.copy())
+                    rank = min(trace_rank, data.n)
+                    traces[token] = _Trace(res.initial_trace, res.trace_errors[:rank].copy())
                 bar.step()
             if token not in datasets:
                 continue
             data = loaded[token]
             factor = factors.get(token)
-            top = max(n_repeats(data, m) for m in methods)
-            for r in range(top):
+            for m, s, r in grid[token]:
                 rseed = _repeat_seed(seed, r)
-                for m in methods:
-                    if r >= n_repeats(data, m):
-                        continue
-                    if m in _FULL_METHODS:
-                        if not exact_ok(data):
-                            continue
-                        bar.where(f"{data.label} {METHOD_LABELS[m]} repeat {r + 1}")
-                        _record_baseline(recorder, data, m, None, r, rseed, n_init, max_iter)
-                        bar.step()
-                for s in sizes:
-                    for m in sized:
-                        if r >= n_repeats(data, m):
-                            continue
-                        bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
-                        if m == "icf":
-                            _record_icf(recorder, "grid", data, factor, s, r, rseed,
-                                        n_init, max_iter)
-                        else:
-                            _record_baseline(recorder, data, m, s, r, rseed, n_init, max_iter)
-                        bar.step()
+                if s is None:
+                    bar.where(f"{data.label} {METHOD_LABELS[m]} repeat {r + 1}")
+                    _record_baseline(recorder, data, m, None, r, rseed, n_init, max_iter)
+                elif m == "icf":
+                    bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
+                    _record_icf(recorder, "grid", data, factor, s, r, rseed, n_init, max_iter)
+                else:
+                    bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
+                    _record_baseline(recorder, data, m, s, r, rseed, n_init, max_iter)
+                bar.step()
             factors.pop(token, None)  # frees P; the trace curve was kept apart
     finally:
         recorder.close()
@@ -650,10 +741,30 @@ def run_paper(
         "trace_rank": trace_rank,
         "synthetic": synthetic,
         "elapsed": time.perf_counter() - started,
+        "resumed": len(previous),
     }
     _write_markdown(out / "results.md", rows, traces, settings)
     _figures(out, rows, traces, loaded, datasets, synthetic_fits)
     return rows
+
+
+def _check_resumable(rows: list[dict], loaded: dict[str, _Data], seed: int, path: Path) -> None:
+    """Refuse to extend a results.csv written with another seed or other data."""
+    for row in rows:
+        problem = None
+        if row["repeat"] is None or row["seed"] != _repeat_seed(seed, row["repeat"]):
+            problem = f"its repeat {row['repeat']} has seed {row['seed']}, not that of seed={seed}"
+        data = loaded.get(row["dataset"])
+        if problem is None and data is not None:
+            if row["n"] != data.n:
+                problem = f"{row['dataset']} has n={row['n']} there and n={data.n} now"
+            elif row["gamma"] is None or not math.isclose(row["gamma"], data.gamma, rel_tol=1e-5):
+                problem = f"{row['dataset']} has gamma={row['gamma']} there, {data.gamma:g} now"
+        if problem is not None:
+            raise ValueError(
+                f"cannot resume from {path}: {problem}. Resume with the settings of that run, "
+                "or write to another out_dir."
+            )
 
 
 def _base_row(experiment: str, data: _Data, method: str, s, r: int, rseed: int) -> dict:
@@ -886,7 +997,9 @@ def _settings_lines(st) -> list[str]:
         "- std is the sample standard deviation over the repeats; time is the median",
         f"- machine: {os.cpu_count()} cores ({platform.machine()}), Python "
         f"{platform.python_version()}, numpy {np.__version__}{load}",
-        f"- total wall time of the run: {st['elapsed'] / 60:.1f} min",
+        f"- total wall time of the run: {st['elapsed'] / 60:.1f} min"
+        + (f" (resumed: {st['resumed']} runs were kept from an earlier results.csv, and "
+           "their times are that run's)" if st.get("resumed") else ""),
     ]
 
 
@@ -1116,6 +1229,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    metavar="NAME=R", help="fewer (or more) repeats for some datasets")
     p.add_argument("--method-repeats", nargs="+", type=_key_value, default=[],
                    metavar="METHOD=R", help="at most R repeats for some methods")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in OUT_DIR/results.csv and do only the missing "
+                        "ones (same seed and data; checked)")
     return bench
 
 
@@ -1130,6 +1246,7 @@ def run_cli(args: argparse.Namespace) -> int:
         seed=args.seed, trace_datasets=args.trace_datasets, trace_rank=args.trace_rank,
         synthetic=args.synthetic, n_init=args.n_init, max_iter=args.max_iter,
         dataset_repeats=dict(args.dataset_repeats), method_repeats=dict(args.method_repeats),
+        resume=args.resume,
     )
     out = Path(args.out_dir)
     print(f"{len(rows)} runs; wrote {out / 'results.csv'}, {out / 'results.md'} and the "

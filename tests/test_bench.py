@@ -160,3 +160,74 @@ def test_real_dataset_subsample(tmp_path):
         ("icf", 10), ("icf", 20), ("approx", 10), ("approx", 20), ("kernel", None)}
     assert all(r["n"] == 400 and r["n_features"] == 16 and r["gamma"] == 2.0**-16 for r in rows)
     assert "seeded subsample of 400 rows" in (tmp_path / "results.md").read_text()
+
+
+# ----------------------------------------------------------------- resume
+
+
+def _keyed(rows):
+    return {(r["experiment"], r["dataset"], r["method"], r["size"], r["repeat"]): r for r in rows}
+
+
+def test_resume_keeps_the_old_rows_and_runs_only_the_missing_ones(tmp_path):
+    first = _quick(tmp_path, repeats=1, sizes=[10], methods=["icf", "nystrom"])
+    resumed = _quick(tmp_path, repeats=2, methods=["icf", "nystrom"], resume=True)
+    fresh = _quick(tmp_path / "fresh", repeats=2, methods=["icf", "nystrom"])
+    old, new, ref = _keyed(first), _keyed(resumed), _keyed(fresh)
+    assert len(resumed) == len(fresh) == 2 * 2 * 2 and new.keys() == ref.keys()
+    for key, row in old.items():  # kept as read back, timing included (6 digits)
+        assert new[key]["time_s"] == pytest.approx(row["time_s"], rel=1e-5)
+    for key, row in ref.items():  # the same seeds give the same clusterings
+        assert new[key]["seed"] == row["seed"]
+        assert new[key]["acc"] == pytest.approx(row["acc"], abs=1e-6)
+    with open(tmp_path / "results.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(fresh)
+    assert "resumed: 2 runs were kept" in (tmp_path / "results.md").read_text()
+
+
+def test_resume_of_a_finished_run_runs_nothing_and_reuses_the_trace(tmp_path, monkeypatch):
+    _quick(tmp_path, repeats=1, methods=["nystrom"])
+    import dkicf.bench as bench
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(bench, "_record_baseline", fail)
+    monkeypatch.setattr(bench, "_factorize", fail)
+    rows = _quick(tmp_path, repeats=1, methods=["nystrom"], resume=True)
+    assert len(rows) == 2
+    with open(tmp_path / "trace_error.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 30 + 1
+
+
+def test_resume_drops_a_row_cut_short_by_an_interrupted_write(tmp_path):
+    _quick(tmp_path, repeats=1, methods=["nystrom"])
+    path = tmp_path / "results.csv"
+    text = path.read_text()
+    path.write_text(text[: text.rindex("\n", 0, len(text) - 1) + 1] + "grid,ring:120,120,2")
+    rows = _quick(tmp_path, repeats=1, methods=["nystrom"], resume=True)
+    assert sorted(r["size"] for r in rows) == [10, 20]
+    assert path.read_text().count("\n") == 3
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(seed=1), "has seed"),
+    (dict(datasets=["ring:100"], trace_datasets=[]), None),  # another token: nothing to check
+])
+def test_resume_refuses_rows_of_another_seed(tmp_path, change, match):
+    _quick(tmp_path, repeats=1, methods=["nystrom"])
+    if match is None:
+        rows = _quick(tmp_path, repeats=1, methods=["nystrom"], resume=True, **change)
+        assert {r["dataset"] for r in rows} == {"ring:120", "ring:100"}
+        return
+    before = (tmp_path / "results.csv").read_bytes()
+    with pytest.raises(ValueError, match=match):
+        _quick(tmp_path, repeats=1, methods=["nystrom"], resume=True, **change)
+    assert (tmp_path / "results.csv").read_bytes() == before  # nothing lost
+
+
+def test_resume_refuses_a_file_that_is_not_a_results_csv(tmp_path):
+    (tmp_path / "results.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not a results.csv"):
+        _quick(tmp_path, repeats=1, methods=["nystrom"], resume=True)
+    assert (tmp_path / "results.csv").read_text() == "a,b\n1,2\n"
