@@ -14,12 +14,17 @@ then the ratios greedy / block greedy of passes and time and whether block
 greedy's pivots are identical to greedy's (target at s = 500 on MNIST, numpy
 backend: identical pivots, >= 10x fewer passes, >= 5x less time).
 
+``--repeats R`` runs the rules R times, interleaved (greedy, block greedy,
+RPCholesky, greedy, ...), and reports the median wall time with the range,
+and the time ratio of the medians with the range of the per-round ratios: on
+a shared machine one run of each can be off by a third either way.
+
 Default data: MNIST (``/work/shared/data/mnist.npz`` or ``--data``), X / 255,
 Gaussian kernel with gamma = 2**-6.  ``--zarr`` instead writes a random dask
 array to a temporary Zarr store and factorizes it on a LocalCluster of
 2 workers with ``persist=False``, so every pass re-reads X from Zarr.
 
-Run: python benchmarks/bench_pivoting.py [--n 60000] [--sizes 100 500 1000]
+Run: python benchmarks/bench_pivoting.py [--n 60000] [--sizes 100 500 1000] [--repeats 5]
      python benchmarks/bench_pivoting.py --zarr [--zarr-n 400000] [--zarr-d 32] [--sizes 100]
 """
 
@@ -55,6 +60,16 @@ def accuracy(P, y, seed: int) -> float:
     return clustering_accuracy(y, labels)
 
 
+def run_rules(X, s: int, repeats: int, **kwargs):
+    """Each rule ``repeats`` times, interleaved: ``{rule: (result, [seconds, ...])}``."""
+    out = {}
+    for _ in range(repeats):
+        for rule in RULES:
+            res, sec = run(X, s, rule, **kwargs)
+            out.setdefault(rule, (res, []))[1].append(sec)
+    return out
+
+
 def run(X, s: int, rule: str, **kwargs):
     from dkicf import incomplete_cholesky
 
@@ -65,22 +80,26 @@ def run(X, s: int, rule: str, **kwargs):
 
 def report(s, results, y, seed):
     print(f"\ns = {s}")
-    print(f"  {'rule':<13}{'rank':>6}{'passes':>8}{'time (s)':>10}{'trace error':>14}"
-          f"{'ACC':>8}   blocks")
-    for rule, (res, sec) in results.items():
+    print(f"  {'rule':<13}{'rank':>6}{'passes':>8}{'time (s)':>10}{'range':>14}"
+          f"{'trace error':>14}{'ACC':>8}   blocks")
+    for rule, (res, secs) in results.items():
         acc = f"{accuracy(res.P, y, seed):8.4f}" if y is not None else f"{'-':>8}"
         sizes = res.info.get("block_sizes")
         blocks = "" if sizes is None else f"{len(sizes)} (largest {max(sizes, default=0)})"
-        print(f"  {rule:<13}{res.rank:>6}{res.n_passes:>8}{sec:>10.2f}"
+        spread = f"{min(secs):.2f}-{max(secs):.2f}" if len(secs) > 1 else ""
+        print(f"  {rule:<13}{res.rank:>6}{res.n_passes:>8}{np.median(secs):>10.2f}{spread:>14}"
               f"{res.trace_errors[-1]:>14.6g}{acc}   {blocks}")
-    g, g_sec = results["greedy"]
-    b, b_sec = results["block-greedy"]
+    g, g_secs = results["greedy"]
+    b, b_secs = results["block-greedy"]
+    g_sec, b_sec = float(np.median(g_secs)), float(np.median(b_secs))
+    rounds = [gs / bs for gs, bs in zip(g_secs, b_secs)]
     same = g.pivots.shape == b.pivots.shape and bool(np.array_equal(g.pivots, b.pivots))
     k = min(g.rank, b.rank)
     trace_gap = float(np.max(np.abs(g.trace_errors[:k] - b.trace_errors[:k]))) if k else 0.0
     print(f"  greedy / block-greedy: passes {g.n_passes / b.n_passes:.1f}x, "
-          f"time {g_sec / b_sec:.1f}x; pivots identical: {same} "
-          f"(max |trace error difference| {trace_gap:.1e})")
+          f"time {g_sec / b_sec:.2f}x (medians of {len(g_secs)} runs"
+          + (f"; per round {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds) > 1 else "")
+          + f"); pivots identical: {same} (max |trace error difference| {trace_gap:.1e})")
 
 
 def bench_numpy(args) -> None:
@@ -88,8 +107,7 @@ def bench_numpy(args) -> None:
     print(f"MNIST n={X.shape[0]} d={X.shape[1]} gamma=2**-6, numpy backend, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     for s in args.sizes:
-        results = {rule: run(X, s, rule, gamma=2.0**-6, random_state=args.seed)
-                   for rule in RULES}
+        results = run_rules(X, s, args.repeats, gamma=2.0**-6, random_state=args.seed)
         report(s, results, y, args.seed)
 
 
@@ -112,11 +130,8 @@ def bench_zarr(args) -> None:
                   f"chunks, gamma={gamma:g}, LocalCluster 2 workers x 1 thread, "
                   f"persist=False (X re-read every pass)")
             for s in args.sizes:
-                results = {
-                    rule: run(Xz, s, rule, gamma=gamma, client=client, persist=False,
-                              random_state=args.seed)
-                    for rule in RULES
-                }
+                results = run_rules(Xz, s, args.repeats, gamma=gamma, client=client,
+                                    persist=False, random_state=args.seed)
                 report(s, results, None, args.seed)
                 results.clear()  # release P's chunks on the workers before the next run
     finally:
@@ -131,6 +146,8 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=None, help="subsample this many MNIST rows")
     p.add_argument("--sizes", type=int, nargs="+", default=[100, 500, 1000])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each rule, interleaved; medians are reported")
     p.add_argument("--zarr", action="store_true",
                    help="random data in Zarr on a LocalCluster, persist=False")
     p.add_argument("--zarr-n", type=int, default=400_000)

@@ -55,6 +55,9 @@ class NumpyBackend:
         self.bounds = [
             (lo, min(lo + self._BLOCK_ROWS, self.n)) for lo in range(0, self.n, self._BLOCK_ROWS)
         ]
+        self.fine_bounds = [
+            (lo, min(lo + _chunk.ROW_BLOCK, self.n)) for lo in range(0, self.n, _chunk.ROW_BLOCK)
+        ]
         self._pool = None
         self._limiter = None
         if self.n_threads > 1 and len(self.bounds) > 1:
@@ -77,7 +80,9 @@ class NumpyBackend:
         if self._pool is None:
             blocks = [_chunk.update_rows(*args, lo, hi) for lo, hi in self.bounds]
         else:
-            futs = [self._pool.submit(_chunk.update_rows, *args, lo, hi) for lo, hi in self.bounds]
+            # A block's tasks are long: smaller ones balance the threads.
+            bounds = self.bounds if block.index.shape[0] == 1 else self.fine_bounds
+            futs = [self._pool.submit(_chunk.update_rows, *args, lo, hi) for lo, hi in bounds]
             blocks = [f.result() for f in futs]
         parts = [p for blk in blocks for p in blk]
         old = len(st.pivots)
@@ -259,14 +264,30 @@ class DaskBackend:
         return self._x_lazy[j]
 
     def summary(self, m: int = 1, first: bool = False) -> dict:
-        futs = [
-            self.client.submit(
-                _chunk.chunk_stats, st, m, self._x(j), True,
-                key=f"icf-stats-{self.token}-{self.step}-{j}",
-            )
-            for j, st in enumerate(self.states)
-        ]
+        futs = self._map(
+            "stats", _chunk.chunk_stats, self.states, m, self._xs(), True,
+            each=(True, False, True, False),
+        )
         return _merge_summaries(self.client.gather(futs), m)
+
+    def _xs(self) -> list:
+        return [self._x(j) for j in range(len(self.states))]
+
+    def _map(self, name: str, func, *args, each) -> list:
+        """One task per chunk, sent to the scheduler in one message.
+
+        ``each[k]`` tells whether ``args[k]`` is a list with one entry per
+        chunk (else the same value goes to every chunk).  Tasks are keyed
+        ``icf-<name>-<token>-<step>-<chunk>``.
+        """
+        count = len(self.states)
+        if len(each) != len(args):
+            raise TypeError(f"_map: {len(args)} arguments but {len(each)} flags")
+        columns = [a if per else [a] * count for a, per in zip(args, each)]
+        return self.client.map(
+            func, *columns, key=[f"icf-{name}-{self.token}-{self.step}-{j}" for j in range(count)],
+            pure=False,
+        )
 
     def _locate(self, index: np.ndarray):
         j = np.searchsorted(self.offsets, index, side="right") - 1
@@ -314,15 +335,14 @@ class DaskBackend:
             )
         self.step += 1
         inbox = self._events if m == 1 else None
-        self.states = [
-            self.client.submit(
-                _chunk.chunk_update, self._x(j), st, arg,
-                None if inbox is None else (inbox.topic, self.step, j),
-                _stash_share(stash, c, self.n),
-                key=f"icf-update-{self.token}-{self.step}-{j}",
-            )
-            for j, (st, c) in enumerate(zip(self.states, self.chunks))
-        ]
+        # One message to the scheduler for all chunks, so that they start together.
+        self.states = self._map(
+            "update", _chunk.chunk_update, self._xs(), self.states, arg,
+            [None if inbox is None else (inbox.topic, self.step, j)
+             for j in range(len(self.states))],
+            [_stash_share(stash, c, self.n) for c in self.chunks],
+            each=(True, True, False, True, True),
+        )
         parts = None if inbox is None else inbox.collect(self.step, self.states)
         if parts is None:
             summary = self.summary(m)
@@ -395,12 +415,7 @@ class DaskBackend:
         self._last_rebase = self.step
 
     def _each_chunk(self, name: str, func, *args) -> None:
-        futs = [
-            self.client.submit(
-                func, st, *args, key=f"icf-{name}-{self.token}-{self.step}-{j}",
-            )
-            for j, st in enumerate(self.states)
-        ]
+        futs = self._map(name, func, self.states, *args, each=(True,) + (False,) * len(args))
         self.client.gather(futs)
 
     def write_p(self, spec: _chunk.StoreSpec, start: int) -> None:
@@ -418,13 +433,11 @@ class DaskBackend:
         """
         self._map_count = getattr(self, "_map_count", 0) + 1
         name = getattr(func, "__name__", "func")
-        futs = [
-            self.client.submit(
-                func, self._x(j), st, int(self.offsets[j]), *args,
-                key=f"icf-{name}-{self.token}-{self.step}-{self._map_count}-{j}",
-            )
-            for j, st in enumerate(self.states)
-        ]
+        futs = self._map(
+            f"{name}-{self._map_count}", func, self._xs(), self.states,
+            [int(o) for o in self.offsets[:-1]], *args,
+            each=(True, True, True) + (False,) * len(args),
+        )
         return self.client.gather(futs)
 
     def result_arrays(self, rank: int):

@@ -512,6 +512,10 @@ def _stashed_rows(state: ChunkState, local: np.ndarray) -> np.ndarray | None:
     return rows[pos]
 
 
+# Rows per slice of a block update: about _SLICE_BYTES of kernel values.
+_SLICE_BYTES = 1 << 20
+_MIN_SLICE = 256
+
 # Largest stash of candidate rows a chunk state keeps (bytes).
 _STASH_BYTES = 32 << 20
 
@@ -567,14 +571,23 @@ def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) ->
         np.divide(G, block.L[0, 0], out=col)
         sq = np.multiply(col, col, out=G)
     else:
-        G = block.kernel.block(x[lo:hi], block.rows, a_aux, block.aux)
-        if base is not None:
-            G -= base[lo:hi]
-        if i:
-            G -= P[lo:hi, :i] @ block.U.T
-        G = solve_triangular(block.L, G.T, lower=True, check_finite=False).T
-        P[lo:hi, i : i + b] = G
-        sq = np.einsum("ij,ij->i", G, G)
+        # Slices of rows whose b kernel values fit in cache: the kernel block
+        # is then formed, corrected, solved and squared before it leaves it.
+        step = max(_MIN_SLICE, _SLICE_BYTES // (8 * b))
+        sq = np.empty(hi - lo)
+        for a in range(lo, hi, step):
+            z = min(a + step, hi)
+            G = block.kernel.block(
+                x[a:z], block.rows, None if aux is None else aux[a:z], block.aux
+            )
+            if base is not None:
+                G -= base[a:z]
+            if i:
+                G -= P[a:z, :i] @ block.U.T
+            G = solve_triangular(block.L, G.T, lower=True, check_finite=False,
+                                 overwrite_b=True).T
+            P[a:z, i : i + b] = G
+            np.einsum("ij,ij->i", G, G, out=sq[a - lo : z - lo])
     ep = e[lo:hi]
     ep -= sq
     np.maximum(ep, 0.0, out=ep)
