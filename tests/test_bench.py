@@ -231,3 +231,25 @@ def test_resume_refuses_a_file_that_is_not_a_results_csv(tmp_path):
     with pytest.raises(ValueError, match="not a results.csv"):
         _quick(tmp_path, repeats=1, methods=["nystrom"], resume=True)
     assert (tmp_path / "results.csv").read_text() == "a,b\n1,2\n"
+
+
+def test_resume_gives_kept_icf_rows_this_runs_factorization_time(tmp_path):
+    _quick(tmp_path, repeats=1, methods=["icf"])
+    path = tmp_path / "results.csv"
+    rows = list(csv.DictReader(open(path, newline="")))
+    for row in rows:  # pretend the first run's factorization was far slower
+        row["factor_time_s"] = "100"
+        row["time_s"] = str(100 + float(row["kmeans_time_s"]))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out = _quick(tmp_path, repeats=2, methods=["icf"], resume=True)
+    by_size = {}
+    for row in out:
+        by_size.setdefault(row["size"], set()).add(row["factor_time_s"])
+        assert row["time_s"] == pytest.approx(row["factor_time_s"] + row["kmeans_time_s"])
+    assert all(len(times) == 1 and max(times) < 100 for times in by_size.values())
+    on_disk = list(csv.DictReader(open(path, newline="")))
+    assert len(on_disk) == 4 and all(float(r["factor_time_s"]) < 100 for r in on_disk)
+    assert "the ICF rows kept for it (2)" in (tmp_path / "results.md").read_text()
