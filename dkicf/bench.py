@@ -359,28 +359,22 @@ class _Recorder:
 
     def __init__(self, path: Path, previous: Sequence[dict] = ()):
         self.rows: list[dict] = list(previous)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
-            writer.writeheader()
-            for row in self.rows:
-                writer.writerow({k: _csv_value(row.get(k)) for k in _CSV_FIELDS})
-        os.replace(tmp, path)
-        self._file = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._writer = csv.DictWriter(self._file, fieldnames=_CSV_FIELDS)
+        self._path = path
+        self._file = None
+        self.rewrite()
 
     def rewrite(self) -> None:
         """Write every row again (after kept rows changed), through a temporary file."""
-        path = Path(self._file.name)
-        self._file.close()
-        tmp = path.with_name(path.name + ".tmp")
+        if self._file is not None:
+            self._file.close()
+        tmp = self._path.with_name(self._path.name + ".tmp")
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
             writer.writeheader()
             for row in self.rows:
                 writer.writerow({k: _csv_value(row.get(k)) for k in _CSV_FIELDS})
-        os.replace(tmp, path)
-        self._file = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115
+        os.replace(tmp, self._path)
+        self._file = open(self._path, "a", newline="", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._writer = csv.DictWriter(self._file, fieldnames=_CSV_FIELDS)
 
     def add(self, row: dict) -> None:
