@@ -256,3 +256,23 @@ def test_resume_gives_kept_icf_rows_this_runs_factorization_time(tmp_path):
     on_disk = list(csv.DictReader(open(path, newline="")))
     assert len(on_disk) == 4 and all(float(r["factor_time_s"]) < 100 for r in on_disk)
     assert "the ICF rows kept for it (2)" in (tmp_path / "results.md").read_text()
+
+
+def test_icf_time_at_each_size_is_that_of_a_run_to_that_rank(tmp_path, monkeypatch):
+    """Block rules report a pass of pivots at once: each s gets its own timed run."""
+    import dkicf.bench as bench
+
+    calls = []
+    real = bench.incomplete_cholesky
+
+    def spy(X, **kw):
+        res = real(X, **kw)
+        calls.append((kw["max_rank"], res.elapsed))
+        return res
+
+    monkeypatch.setattr(bench, "incomplete_cholesky", spy)
+    rows = _quick(tmp_path, repeats=1, sizes=[5, 10, 20], methods=["icf"], trace_datasets=[])
+    assert sorted(k for k, _ in calls) == [5, 10, 20]
+    elapsed = dict(calls)
+    for row in rows:
+        assert row["factor_time_s"] == elapsed[row["size"]]
