@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from scipy import sparse
 
 from ._chunk import LazyChunk, chunk_digest, materialize, threadpool_limits
 from ._validation import check_array_2d, check_positive_int, is_dask_array
@@ -178,18 +177,18 @@ def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray):
 
 
 def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
-    """Per-centre sums of the rows, accumulated in row order."""
-    m = x.shape[0]
-    # One nonzero per row: the (m, k) indicator is built without any sorting.
-    onehot = sparse.csr_matrix((np.ones(m), labels, np.arange(m + 1)), shape=(m, k))
-    return np.asarray(onehot.T @ x)
+    """Per-centre sums of the rows: one (k, m) by (m, s) matrix product."""
+    onehot = np.zeros((k, x.shape[0]))
+    onehot[labels, np.arange(x.shape[0])] = 1.0
+    return onehot @ x
 
 
-def _scan(p, offset: int, centers: np.ndarray, with_sums: bool):
+def _scan(p, offset: int, centers: np.ndarray, with_sums: bool, check: bool = True):
     """Labels, squared distances and (optionally) per-centre sums of one row chunk.
 
     Works in row blocks so that the distance block stays small whatever the
-    chunk size; rows are widened to float64 block by block.
+    chunk size; rows are widened to float64 block by block.  ``check``: raise
+    on NaN or infinity (P that was not validated yet).
     """
     n, s = p.shape
     k = centers.shape[0]
@@ -201,16 +200,17 @@ def _scan(p, offset: int, centers: np.ndarray, with_sums: bool):
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         x = np.asarray(p[lo:hi], dtype=np.float64)
-        _check_finite(x, offset + lo)
+        if check:
+            _check_finite(x, offset + lo)
         labels[lo:hi], d2[lo:hi] = _nearest(x, centers, c_sq)
         if with_sums:
             sums += _cluster_sums(x, labels[lo:hi], k)
     return labels, d2, sums
 
 
-def _chunk_assign(p, offset: int, centers: np.ndarray):
+def _chunk_assign(p, offset: int, centers: np.ndarray, check: bool = True):
     """One chunk of a full pass: its labels, and its inertia and counts."""
-    labels, d2, _ = _scan(p, offset, centers, with_sums=False)
+    labels, d2, _ = _scan(p, offset, centers, with_sums=False, check=check)
     stats = {
         "inertia": float(d2.sum()),
         "counts": np.bincount(labels, minlength=centers.shape[0]),
@@ -218,13 +218,13 @@ def _chunk_assign(p, offset: int, centers: np.ndarray):
     return labels, stats
 
 
-def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int) -> dict:
+def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int, check: bool = True) -> dict:
     """One chunk of a Lloyd iteration: per-centre sums and counts, inertia, farthest points.
 
     The farthest points (largest squared distance to their centre, with their
     global index and label) are the candidates for re-seeding empty clusters.
     """
-    labels, d2, sums = _scan(p, offset, centers, with_sums=True)
+    labels, d2, sums = _scan(p, offset, centers, with_sums=True, check=check)
     n = labels.shape[0]
     m = min(n_far, n)
     far = np.arange(n)
@@ -271,11 +271,12 @@ class _NumpyBackend:
     def rows(self, index: np.ndarray) -> np.ndarray:
         return np.asarray(self.P[index], dtype=np.float64)
 
+    # P was checked for NaN and infinity on entry (check_array_2d).
     def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
-        return [_chunk_lloyd(self.P, 0, centers, n_far)]
+        return [_chunk_lloyd(self.P, 0, centers, n_far, False)]
 
     def full_pass(self, centers: np.ndarray):
-        labels, stats = _chunk_assign(self.P, 0, centers)
+        labels, stats = _chunk_assign(self.P, 0, centers, False)
         return labels, [stats]
 
     def digests(self) -> tuple[tuple[int, ...], list[str]]:
