@@ -22,7 +22,8 @@ class WorkerFailureError(DkicfError, RuntimeError):
     Attributes
     ----------
     stage : str
-        ``"factorization"`` or ``"k-means"``.
+        ``"factorization"``, ``"k-means"``, ``"labelling"`` (:func:`dkicf.kmeans.assign`)
+        or ``"writing"`` (an array computed by the cluster while it is written).
     iteration : int
         The iteration the stage was at: for k-means, the mini-batch step or
         Lloyd iteration of the current run (0 before its first).

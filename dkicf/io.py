@@ -60,7 +60,7 @@ from zarr.storage import FsspecStore, LocalStore
 
 from . import synthetic
 from ._validation import check_dtype
-from .errors import DkicfError
+from .errors import DkicfError, worker_failure, worker_failure_types
 
 __all__ = [
     "DkicfIOError",
@@ -1926,7 +1926,15 @@ def write_dask(group_url, name: str, darr, *, storage_options: dict | None = Non
     arr = group.create_array(name, shape=darr.shape, chunks=chunks, dtype=darr.dtype,
                              overwrite=True)
     if darr.size:
-        da.store(darr, arr, lock=False)
+        try:
+            da.store(darr, arr, lock=False)
+        except worker_failure_types() as exc:
+            raise worker_failure(
+                exc, "writing", 0, where=f"array {name!r} of {group_url}",
+                resume_hint="Outputs are staged and moved into place only when complete, so "
+                            "nothing that existed was replaced: run the command again once "
+                            "the cause is fixed.",
+            ) from exc
 
 
 def open_member(url, name: str, *, storage_options: dict | None = None):

@@ -1174,6 +1174,11 @@ def assign(P, centers, *, client=None) -> tuple[Any, float]:
     inertia : float
         Sum of the squared distances of the rows to their nearest centre.
 
+    Raises
+    ------
+    dkicf.errors.WorkerFailureError
+        If a task of the pass killed every worker that ran it.
+
     Examples
     --------
     >>> import numpy as np
@@ -1187,6 +1192,11 @@ def assign(P, centers, *, client=None) -> tuple[Any, float]:
     backend = _backend(P, client)
     try:
         labels, inertia, _ = _full_pass(backend, centers)
+    except worker_failure_types() as exc:
+        raise worker_failure(
+            exc, "labelling", 0, where="the pass that labels the rows",
+            resume_hint="Nothing is saved by this pass: call it again once the cause is fixed.",
+        ) from exc
     finally:
         backend.close()
     return labels, inertia
