@@ -69,12 +69,12 @@ def test_icf_time_is_factorization_plus_kmeans(tiny_run):
     for r in icf:
         assert r["time_s"] == pytest.approx(r["factor_time_s"] + r["kmeans_time_s"])
         assert r["rank"] == r["size"]
-    # One factorization per dataset: every repeat at a size shares its time.
+    # One timed factorization per dataset and size: every repeat at a size shares its time
+    # (each size is its own run, so a smaller s need not take less time on a busy machine).
     by_size = {}
     for r in icf:
         by_size.setdefault(r["size"], set()).add(r["factor_time_s"])
-    assert all(len(v) == 1 for v in by_size.values())
-    assert min(by_size[10]) <= min(by_size[20])
+    assert sorted(by_size) == [10, 20] and all(len(v) == 1 for v in by_size.values())
 
 
 def test_icf_rows_equal_the_estimator(tmp_path):

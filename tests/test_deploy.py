@@ -1071,6 +1071,10 @@ def test_start_cluster_slurm_with_tls_runs_jobs_that_join(tmp_path, monkeypatch)
     monkeypatch.setenv("STUB_DIR", str(tmp_path))
     monkeypatch.setenv("PATH", os.pathsep.join([str(stubs), os.environ["PATH"]]))
     monkeypatch.setenv("PYTHONPATH", _child_env()["PYTHONPATH"])
+
+    def job_logs() -> str:
+        return "".join(log.read_text() for log in tmp_path.glob("job-*.log"))
+
     try:
         client, cluster = start_cluster(
             "slurm", jobs=1, cores=2, processes=2, memory="2GiB", walltime="00:10:00",
@@ -1093,11 +1097,19 @@ def test_start_cluster_slurm_with_tls_runs_jobs_that_join(tmp_path, monkeypatch)
         finally:
             client.close()
             cluster.close()
+
+        # scancel's SIGTERM reaches the job asynchronously: on a busy machine the
+        # workers may still be shutting down when cluster.close() returns.
+        deadline = time.monotonic() + START_TIMEOUT
+        while not ("Stopping worker" in job_logs() or "signal-15" in job_logs()):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         for pid_file in tmp_path.glob("job-*.pid"):
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(int(pid_file.read_text()), 9)
-    logs = "".join(log.read_text() for log in tmp_path.glob("job-*.log"))
+    logs = job_logs()
     assert "Stopping worker" in logs or "signal-15" in logs, logs[-2000:]
 
 
