@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from scipy import sparse
 
 from ._chunk import LazyChunk, chunk_digest, materialize, threadpool_limits
 from ._validation import check_array_2d, check_positive_int, is_dask_array
@@ -177,9 +178,17 @@ def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray):
 
 
 def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
-    """Per-centre sums of the rows: one (k, m) by (m, s) matrix product."""
-    onehot = np.zeros((k, x.shape[0]))
-    onehot[labels, np.arange(x.shape[0])] = 1.0
+    """Per-centre sums of the rows: one (k, m) by (m, s) matrix product.
+
+    The indicator is dense (a BLAS product) while it has at most
+    :data:`_BLOCK_ELEMENTS` entries, sparse beyond (very many clusters).
+    """
+    m = x.shape[0]
+    if k * m > _BLOCK_ELEMENTS:
+        onehot = sparse.csr_matrix((np.ones(m), labels, np.arange(m + 1)), shape=(m, k))
+        return np.asarray(onehot.T @ x)
+    onehot = np.zeros((k, m))
+    onehot[labels, np.arange(m)] = 1.0
     return onehot @ x
 
 

@@ -308,3 +308,17 @@ def test_dask_nan_names_the_global_row(km_client):
     X[27, 0] = np.inf
     with pytest.raises(ValueError, match=r"P contains NaN or infinity: first at row 27"):
         assign(as_dask(X, (10, 15, 15)), np.zeros((2, 3)), client=km_client)
+
+
+@pytest.mark.parametrize("k", [3, 5000])
+def test_cluster_sums_dense_and_sparse_equal_numpy(k):
+    """Per-centre sums, through the dense product and (many clusters) the sparse one."""
+    from dkicf.kmeans import _BLOCK_ELEMENTS, _cluster_sums
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 4))
+    labels = rng.integers(0, k, size=300)
+    expected = np.zeros((k, 4))
+    np.add.at(expected, labels, x)
+    assert (k * 300 > _BLOCK_ELEMENTS) == (k == 5000)
+    np.testing.assert_allclose(_cluster_sums(x, labels, k), expected, rtol=0, atol=1e-12)
