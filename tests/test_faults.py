@@ -1,5 +1,6 @@
 """Surviving faults: driver crashes, dead workers, hostile input, degenerate kernels."""
 
+import contextlib
 import importlib
 import json
 import logging
@@ -543,23 +544,29 @@ def test_state_checkpoint_survives_a_crash_between_write_and_commit(tmp_path, mo
         ck.StateCheckpoint(url, "kmeans", {"n_clusters": 4}, resume=True)
 
 
+@contextlib.contextmanager
+def armed(client, marker, task: str):
+    """Kill every worker that runs ``task`` inside the block (once both workers are back)."""
+    client.wait_for_workers(2, timeout=60)  # back from the kills of the tests before
+    marker.write_text(task)
+    try:
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
+
+
 def test_assign_task_killing_its_workers_fails_clearly(nanny_client, monkeypatch):
     km = importlib.import_module("dkicf.kmeans")
     client, marker = nanny_client
     monkeypatch.setattr(km, "_in_task", killer_in_task)
     P = da.from_array(np.random.default_rng(2).normal(size=(600, 4)), chunks=600)
     centers = np.zeros((2, 4))
-    client.wait_for_workers(2, timeout=60)  # back from the kills of the tests before
-    marker.write_text("_chunk_assign")
-    try:
-        with pytest.raises(
-            WorkerFailureError,
-            match=r"labelling failed at the pass that labels the rows: a task killed every "
-                  r"worker .*memory limit.*Nothing is saved by this pass",
-        ) as info:
-            km.assign(P, centers, client=client)
-    finally:
-        marker.unlink(missing_ok=True)
+    with armed(client, marker, "_chunk_assign"), pytest.raises(
+        WorkerFailureError,
+        match=r"labelling failed at the pass that labels the rows: a task killed every "
+              r"worker .*memory limit.*Nothing is saved by this pass",
+    ) as info:
+        km.assign(P, centers, client=client)
     assert (info.value.stage, info.value.iteration, info.value.checkpoint) == (
         "labelling", 0, None)
     client.wait_for_workers(2, timeout=60)
@@ -584,16 +591,10 @@ def test_write_whose_task_kills_its_workers_fails_clearly(nanny_client, tmp_path
     client, marker = nanny_client
     darr = da.from_array(np.ones((600, 4)), chunks=300).map_blocks(_killing_identity)
     io.write_group(str(tmp_path / "out.zarr"), {}, {})
-    client.wait_for_workers(2, timeout=60)  # back from the kills of the tests before
-    marker.write_text("_killing_identity")
-    try:
-        with pytest.raises(
-            WorkerFailureError,
-            match=r"writing failed at array 'labels' of .*out.zarr: a task killed every worker"
-                  r".*nothing that existed was replaced",
-        ) as info:
-            with client.as_current():
-                io.write_dask(str(tmp_path / "out.zarr"), "labels", darr)
-    finally:
-        marker.unlink(missing_ok=True)
+    with armed(client, marker, "_killing_identity"), pytest.raises(
+        WorkerFailureError,
+        match=r"writing failed at array 'labels' of .*out.zarr: a task killed every worker"
+              r".*nothing that existed was replaced",
+    ) as info, client.as_current():
+        io.write_dask(str(tmp_path / "out.zarr"), "labels", darr)
     assert info.value.stage == "writing"
