@@ -38,13 +38,13 @@ class NumpyBackend:
 
     def __init__(
         self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None,
-        restore: tuple | None = None,
+        restore: tuple | None = None, checked: bool = False,
     ):
         self.X = _chunk.as_float(X)
         self.n, self.d = self.X.shape
         self.step = 0
         if restore is None:
-            self.state = _chunk.chunk_init(self.X, kernel, 0, capacity)
+            self.state = _chunk.chunk_init(self.X, kernel, 0, capacity, checked=checked)
         else:
             spec, point = restore
             self.step = int(point["iteration"])
@@ -52,21 +52,22 @@ class NumpyBackend:
                 self.X, None, spec, kernel, 0, capacity, None, point, stored=False
             )
         self.n_threads = n_threads or _cpu_count()
-        self.bounds = [
-            (lo, min(lo + self._BLOCK_ROWS, self.n)) for lo in range(0, self.n, self._BLOCK_ROWS)
-        ]
-        self.fine_bounds = [
-            (lo, min(lo + _chunk.ROW_BLOCK, self.n)) for lo in range(0, self.n, _chunk.ROW_BLOCK)
-        ]
         self._pool = None
         self._limiter = None
-        if self.n_threads > 1 and len(self.bounds) > 1:
+        if self.n_threads > 1 and self.n > _chunk.ROW_BLOCK:
             from concurrent.futures import ThreadPoolExecutor
 
-            from threadpoolctl import threadpool_limits
-
             self._pool = ThreadPoolExecutor(self.n_threads, thread_name_prefix="dkicf")
-            self._limiter = threadpool_limits(1)
+            self._limiter = _chunk.threadpool_limits(1)
+        # One pivot per pass: large tasks (little scheduling per pass).  A
+        # block per pass: long passes, smaller tasks that stay in cache.
+        self.bounds = _even_bounds(self.n, self._BLOCK_ROWS, self.n_threads)
+        self.fine_bounds = _even_bounds(self.n, _chunk.ROW_BLOCK, self.n_threads)
+
+    @property
+    def pool(self):
+        """The thread pool of the passes (None with one thread): idle between passes."""
+        return self._pool
 
     def summary(self, m: int = 1, first: bool = False) -> dict:
         return _chunk.chunk_stats(self.state, m, self.X, rows=True)
@@ -77,14 +78,14 @@ class NumpyBackend:
     def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1, stash: int = 0) -> dict:
         st = self.state
         args = (self.X, st.P, st.e, st.aux, block)
+        bounds = self.bounds if block.index.shape[0] == 1 else self.fine_bounds
         if self._pool is None:
-            blocks = [_chunk.update_rows(*args, lo, hi) for lo, hi in self.bounds]
+            found = [_chunk.update_rows(*args, lo, hi, stats=False) for lo, hi in bounds]
         else:
-            # A block's tasks are long: smaller ones balance the threads.
-            bounds = self.bounds if block.index.shape[0] == 1 else self.fine_bounds
-            futs = [self._pool.submit(_chunk.update_rows, *args, lo, hi) for lo, hi in bounds]
-            blocks = [f.result() for f in futs]
-        parts = [p for blk in blocks for p in blk]
+            futs = [self._pool.submit(_chunk.update_rows, *args, lo, hi, stats=False)
+                    for lo, hi in bounds]
+            found = [f.result() for f in futs]
+        parts = _chunk.assemble_row_stats(st.e, found, st.sub_blocks())
         old = len(st.pivots)
         st.pivots = _chunk.finish_block(st.P, st.e, 0, block, st.pivots)
         _chunk.refresh_row_stats(parts, st.e, st.pivots[old:], st.sub_blocks())
@@ -117,6 +118,21 @@ class NumpyBackend:
             self._pool.shutdown()
             self._limiter.restore_original_limits()
             self._pool = None
+
+
+def _even_bounds(n: int, rows: int, n_threads: int, align: int = 256) -> list[tuple[int, int]]:
+    """``(lo, hi)`` ranges of at most about ``rows`` rows covering ``0:n``, as many as a
+    multiple of ``n_threads`` and of nearly equal size, so that the threads finish together.
+
+    The boundaries are multiples of ``align`` rows: a row's kernel values then
+    come from the same BLAS code path whatever the number of threads, and the
+    factor is the same to the last bit.
+    """
+    count = max(1, math.ceil(n / rows))
+    count = math.ceil(count / n_threads) * n_threads
+    inner = (np.linspace(0, n, count + 1)[1:-1] / align).round().astype(np.int64) * align
+    edges = np.unique(np.concatenate([[0], inner[(inner > 0) & (inner < n)], [n]]))
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
 def _cpu_count() -> int:

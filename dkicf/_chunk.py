@@ -178,7 +178,7 @@ class ChunkState:
 
     __slots__ = (
         "P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store", "cache",
-        "spare", "segments", "stash",
+        "spare", "segments", "stash", "max_sqnorm",
     )
 
     def __init__(
@@ -209,6 +209,9 @@ class ChunkState:
         # the largest residuals, kept by the update for the next candidate
         # request (see chunk_rows), so that fetching candidates reads no X.
         self.stash = None
+        # Largest squared row norm of the chunk, known at rank 0 when the
+        # kernel's auxiliary values are the squared norms (a pass saved).
+        self.max_sqnorm = None
 
     @property
     def n_rows(self) -> int:
@@ -344,14 +347,16 @@ def chunk_init(
     capacity: int,
     chunk: int | None = None,
     store: StoreSpec | None = None,
+    checked: bool = False,
 ) -> ChunkState:
     """Check the chunk, compute its kernel diagonal and allocate its factor buffer.
 
     With ``store``, the buffer is the in-memory tail of one column block.
+    ``checked=True`` skips the test for NaN and infinity (the caller made it).
     """
     x = materialize(x)
     with threadpool_limits(1):
-        x, aux = _prepare(x, kernel, offset, chunk)
+        x, aux = _prepare(x, kernel, offset, chunk, checked)
         e = np.array(kernel.diag(x, aux), dtype=_FLOAT)
         if e.size and (not np.isfinite(e).all() or e.min() < 0):
             bad = int(np.flatnonzero(~(e >= 0))[0]) + offset
@@ -361,13 +366,17 @@ def chunk_init(
             )
     width = capacity if store is None else store.columns
     P = empty_columns(x.shape[0], width)
-    return ChunkState(P, e, aux, 0, offset, n_passes=1, store=store,
-                      segments=segments_of(chunk, offset, x.shape[0]))
+    state = ChunkState(P, e, aux, 0, offset, n_passes=1, store=store,
+                       segments=segments_of(chunk, offset, x.shape[0]))
+    if aux is not None and aux.size and getattr(kernel, "_aux_is_sqnorms", False):
+        state.max_sqnorm = float(aux.max())
+    return state
 
 
-def _prepare(x, kernel: Kernel, offset: int, chunk: int | None):
+def _prepare(x, kernel: Kernel, offset: int, chunk: int | None, checked: bool = False):
     """The chunk checked and in float64, and its kernel auxiliary values."""
-    check_finite(x, offset, chunk)
+    if not checked:
+        check_finite(x, offset, chunk)
     x = as_float(x)
     return x, kernel.prepare(x)
 
@@ -414,7 +423,10 @@ def chunk_stats(
     out["values"] = e[top].copy()
     out["index"] = top.astype(np.int64) + state.offset
     if x is not None and n and state.rank == 0:
-        out["max_sqnorm"] = float(np.einsum("ij,ij->i", x, x).max())
+        out["max_sqnorm"] = (
+            state.max_sqnorm if state.max_sqnorm is not None
+            else float(np.einsum("ij,ij->i", x, x).max())
+        )
     if rows:
         out["x_rows"], out["aux"], out["p_rows"], _ = chunk_rows(x, state, top)
     return out
@@ -543,7 +555,9 @@ def _stash_top(state: ChunkState, x: np.ndarray, count: int) -> None:
         state.stash = (kept, x[kept])
 
 
-def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) -> list:
+def update_rows(
+    x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None, stats: bool = True
+):
     """Rows ``lo:hi`` of one pivot-block update, in place on ``P`` and ``e``.
 
     ``p = (K[:, T] - P[:, :i] U^T) L^{-T}`` and ``e -= rowsum(p**2)``: for
@@ -555,7 +569,10 @@ def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) ->
     multiple of :data:`ROW_BLOCK`.
 
     Returns the :func:`row_stats` of the updated residual rows, computed
-    while they are in cache.
+    while they are in cache.  With ``stats=False``, ``lo`` may be any row and
+    the statistics returned are those of the :data:`ROW_BLOCK` units that
+    lie wholly inside ``lo:hi``, as a dict keyed by their first row (see
+    :func:`assemble_row_stats`).
     """
     i, b = block.rank, block.index.shape[0]
     a_aux = None if aux is None else aux[lo:hi]
@@ -591,7 +608,21 @@ def update_rows(x, P, e, aux, block: PivotBlock, lo: int, hi: int, base=None) ->
     ep = e[lo:hi]
     ep -= sq
     np.maximum(ep, 0.0, out=ep)
-    return row_stats(e, lo, hi)
+    if stats:
+        return row_stats(e, lo, hi)
+    first = -(-lo // ROW_BLOCK) * ROW_BLOCK
+    last = hi if hi == e.shape[0] else (hi // ROW_BLOCK) * ROW_BLOCK
+    return {k: s for k, s in zip(range(first, last, ROW_BLOCK), row_stats(e, first, last))}
+
+
+def assemble_row_stats(e: np.ndarray, found: list[dict], blocks: list) -> list:
+    """The :func:`row_stats` of every range of ``blocks`` (multiples of :data:`ROW_BLOCK`),
+    taken from the tasks' ``found`` dicts, computed here for the ranges that straddle
+    two tasks."""
+    known = {}
+    for f in found:
+        known.update(f)
+    return [known[lo] if lo in known else row_stats(e, lo, hi)[0] for lo, hi in blocks]
 
 
 def finish_block(P, e, offset: int, block: PivotBlock, pivots: np.ndarray) -> np.ndarray:

@@ -331,7 +331,7 @@ def incomplete_cholesky(
             store=None if storage is None else storage.p_spec, restore=restore,
         )
     else:
-        backend = NumpyBackend(X, kernel_obj, capacity, restore=restore)
+        backend = NumpyBackend(X, kernel_obj, capacity, restore=restore, checked=True)
     if storage is not None:
         storage.attach(backend)
     try:
@@ -592,16 +592,22 @@ def _block_loop(
             )
         b_max = sizer.block_max(i)
         m_used = cand.index.shape[0]
+        # The driver's panels: sized from the last block, computed on the
+        # pass's idle threads (numpy backend).
+        small = {"panel": blocks[-1][1] if blocks else None,
+                 "pool": getattr(backend, "pool", None),
+                 "n_threads": getattr(backend, "n_threads", 1)}
         if rule == "block-greedy":
             margin = _pivoting.rounding_margin(max_diag, roundoff, i, m_used)
             choice = _pivoting.greedy_block(
                 kernel, cand, b_max=b_max, rank_tol=rank_tol, margin=margin,
-                delta=block_delta, trace=trace, tol=tol,
+                delta=block_delta, trace=trace, tol=tol, **small,
             )
         else:
             uniforms = _pivoting.accept_uniforms(key, draw, cand.draws.shape[0])
             choice = _pivoting.rpcholesky_block(
                 kernel, cand, uniforms, b_max=b_max, rank_tol=rank_tol, trace=trace, tol=tol,
+                **small,
             )
             m_used = cand.draws.shape[0]
             draw += 1

@@ -115,6 +115,7 @@ class GaussianKernel(Kernel):
     """Gaussian kernel ``exp(-gamma * ||x - y||^2)`` (the paper's sigma is ``gamma``)."""
 
     name = "gaussian"
+    _aux_is_sqnorms = True  # prepare() returns the squared row norms
 
     def __init__(self, gamma: float):
         self.gamma = float(gamma)
@@ -185,6 +186,7 @@ class PolynomialKernel(Kernel):
     """Polynomial kernel ``(gamma * <x, y> + coef0) ** degree``."""
 
     name = "polynomial"
+    _aux_is_sqnorms = True  # prepare() returns the squared row norms
 
     def __init__(self, gamma: float, degree: int = 3, coef0: float = 1.0):
         self.gamma = float(gamma)
@@ -225,6 +227,7 @@ class LinearKernel(Kernel):
     """Linear kernel ``<x, y>``: kernel k-means then equals ordinary k-means."""
 
     name = "linear"
+    _aux_is_sqnorms = True  # prepare() returns the squared row norms
 
     def prepare(self, X):
         return _sqnorms(X)

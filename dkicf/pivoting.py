@@ -61,6 +61,8 @@ _EPS = np.finfo(np.float64).eps
 _TASK_BYTES = 256 << 20
 # Bytes of candidate rows (of X and of P) the driver fetches per pass.
 _CANDIDATE_BYTES = 256 << 20
+# Multiply-adds above which the driver's panel is split over the pass's threads.
+_PARALLEL_WORK = 1 << 22
 # Philox counter words that separate the random streams of one draw.
 _STREAM_FIRST, _STREAM_LATER, _STREAM_ACCEPT = 0, 1, 2
 
@@ -386,10 +388,20 @@ class _SmallCholesky:
     ``b`` pivots out of ``m`` candidates, at matrix-matrix speed.
     """
 
-    def __init__(self, kernel: Kernel, cand: Candidates, b_max: int, panel: int = 8):
+    def __init__(
+        self, kernel: Kernel, cand: Candidates, b_max: int, panel: int | None = None,
+        pool=None, n_threads: int = 1,
+    ):
         self.kernel, self.cand = kernel, cand
         m = cand.index.shape[0]
-        self.panel = panel
+        # The first panel is the expected block size (the last block's, if
+        # known): one kernel block for most of the pivots, few columns wasted.
+        self.panel = max(8, min(panel or 8, b_max, 1024))
+        # Later panels: a quarter of the expected block each (doubling from 8
+        # without an expectation).
+        self.later_panel = 8 if panel is None else max(8, self.panel // 4)
+        self.grow = panel is None
+        self.pool, self.n_threads = pool, n_threads
         self.d = cand.values.astype(np.float64).copy()
         self.values_sum = float(self.d.sum())
         self.free = np.ones(m, dtype=bool)
@@ -398,7 +410,7 @@ class _SmallCholesky:
         # Cached Schur-complement columns: slot of each candidate (-1: none)
         # and how many of the block's pivots each cached column already has.
         self.slot = np.full(m, -1, dtype=np.int64)
-        self.S = np.empty((m, min(m, 2 * panel)), order="F")
+        self.S = np.empty((m, min(m, 2 * self.panel)), order="F")
         self.applied = np.empty(self.S.shape[1], dtype=np.int64)
         self.n_cached = 0
 
@@ -406,29 +418,48 @@ class _SmallCholesky:
     def k(self) -> int:
         return len(self.order)
 
+    def _columns(self, G, a: int, z: int, pick: np.ndarray) -> None:
+        """Rows ``a:z`` of the Schur-complement columns ``pick``, written into ``G``."""
+        cand, k = self.cand, self.k
+        aux_a = None if cand.aux is None else cand.aux[a:z]
+        aux_p = None if cand.aux is None else cand.aux[pick]
+        g = self.kernel.block(cand.rows[a:z], cand.rows[pick], aux_a, aux_p)
+        if cand.U.shape[1]:
+            g -= cand.U[a:z] @ cand.U[pick].T
+        if k:
+            g -= self.Lc[a:z, :k] @ self.Lc[pick, :k].T
+        G[a:z] = g
+
     def _fill(self, c: int, likely) -> None:
         """Form the columns of ``c`` and of the first uncached ``likely()`` candidates."""
-        cand, k = self.cand, self.k
         likely = likely()
         extra = likely[(self.slot[likely] < 0) & self.free[likely] & (likely != c)]
         pick = np.concatenate([[c], extra[: self.panel - 1]]).astype(np.int64)
-        aux_p = None if cand.aux is None else cand.aux[pick]
-        G = self.kernel.block(cand.rows, cand.rows[pick], cand.aux, aux_p)
-        if cand.U.shape[1]:
-            G -= cand.U @ cand.U[pick].T
-        if k:
-            G -= self.Lc[:, :k] @ self.Lc[pick, :k].T
+        m = self.S.shape[0]
         start, stop = self.n_cached, self.n_cached + pick.shape[0]
         if stop > self.S.shape[1]:
-            grown = np.empty((self.S.shape[0], max(stop, 2 * self.S.shape[1])), order="F")
+            grown = np.empty((m, max(stop, 2 * self.S.shape[1])), order="F")
             grown[:, :start] = self.S[:, :start]
             self.S = grown
             self.applied = np.resize(self.applied, grown.shape[1])
-        self.S[:, start:stop] = G
-        self.applied[start:stop] = k
+        G = self.S[:, start:stop]
+        work = m * pick.shape[0] * (self.cand.rows.shape[1] + self.cand.U.shape[1] + self.k)
+        workers = self.n_threads if self.pool is not None else 1
+        if workers > 1 and work >= _PARALLEL_WORK:
+            # The pass's threads are idle while the driver chooses: rows split between them.
+            edges = np.linspace(0, m, workers + 1).round().astype(np.int64)
+            futs = [self.pool.submit(self._columns, G, int(a), int(z), pick)
+                    for a, z in zip(edges[:-1], edges[1:]) if z > a]
+            for f in futs:
+                f.result()
+        else:
+            self._columns(G, 0, m, pick)
+        self.applied[start:stop] = self.k
         self.slot[pick] = np.arange(start, stop)
         self.n_cached = stop
-        self.panel = min(2 * self.panel, 256)
+        self.panel = self.later_panel
+        if self.grow:
+            self.later_panel = min(2 * self.later_panel, 256)
 
     def take(self, c: int, likely) -> None:
         """Make candidate ``c`` the next pivot.
@@ -505,6 +536,9 @@ def greedy_block(
     delta: float = 0.0,
     trace: float = np.inf,
     tol: float = 0.0,
+    panel: int | None = None,
+    pool=None,
+    n_threads: int = 1,
 ) -> BlockChoice:
     """Greedy pivots on the candidates while they provably equal the sequential ones.
 
@@ -540,12 +574,17 @@ def greedy_block(
         ``block_delta``.
     trace, tol : float
         Trace error at the start of the block and the factorization's ``tol``.
+    panel : int, optional
+        Expected number of pivots (the last block's): the size of the first
+        panel of Schur-complement columns formed.
+    pool : concurrent.futures.Executor, optional
+        Idle threads (``n_threads`` of them) that share the work of large panels.
 
     Returns
     -------
     BlockChoice
     """
-    chol = _SmallCholesky(kernel, cand, b_max)
+    chol = _SmallCholesky(kernel, cand, b_max, panel, pool, n_threads)
     chol.take(chol.best()[0], chol.by_residual)
     reason = "cap"
     while chol.k < b_max:
@@ -584,6 +623,9 @@ def rpcholesky_block(
     rank_tol: float,
     trace: float = np.inf,
     tol: float = 0.0,
+    panel: int | None = None,
+    pool=None,
+    n_threads: int = 1,
 ) -> BlockChoice:
     """Accelerated RPCholesky's rejection step on i.i.d. draws proportional to ``e``.
 
@@ -601,14 +643,14 @@ def rpcholesky_block(
         The ``"race"`` candidates (distinct rows and the draws).
     uniforms : ndarray of shape (len(cand.draws),)
         One uniform in [0, 1) per draw (:func:`accept_uniforms`).
-    b_max, rank_tol, trace, tol :
+    b_max, rank_tol, trace, tol, panel, pool, n_threads :
         As for :func:`greedy_block`.
 
     Returns
     -------
     BlockChoice
     """
-    chol = _SmallCholesky(kernel, cand, b_max)
+    chol = _SmallCholesky(kernel, cand, b_max, panel, pool, n_threads)
     reason = "exhausted"
     for j, s in enumerate(cand.draws):
         if chol.k == b_max:

@@ -349,3 +349,36 @@ def test_factor_buffers_are_writable_fortran_arrays():
     e = empty_vector(600_000)
     e[:] = 1.0
     assert e.shape == (600_000,) and float(e.sum()) == 600_000.0
+
+
+@pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])
+def test_numpy_thread_count_changes_nothing_but_rounding(pivoting, rng, monkeypatch):
+    """Rows shared evenly between threads, tasks straddling the residual-sum units: the same
+    pivots and, to rounding (BLAS kernels treat a row by its place in a task), the same P."""
+    from dkicf import _backends, _chunk
+
+    X = rng.normal(size=(2 * _chunk.ROW_BLOCK + 1234, 3))
+    runs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(_backends, "_cpu_count", lambda t=threads: t)
+        runs.append(incomplete_cholesky(X, gamma=0.5, max_rank=30, tol=0, pivoting=pivoting))
+    for other in runs[1:]:
+        np.testing.assert_array_equal(other.pivots, runs[0].pivots)
+        np.testing.assert_allclose(other.P, runs[0].P, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(other.trace_errors, runs[0].trace_errors, rtol=1e-13)
+        np.testing.assert_allclose(other.residual, runs[0].residual, rtol=0, atol=1e-14)
+
+
+def test_even_bounds_cover_the_rows_in_equal_shares():
+    from dkicf._backends import _even_bounds
+
+    for n, rows, threads in [(60000, 8192, 2), (17618, 32768, 3), (10**6, 8192, 2)]:
+        bounds = _even_bounds(n, rows, threads)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert all(lo % 256 == 0 for lo, _ in bounds)
+        sizes = [hi - lo for lo, hi in bounds]
+        assert len(sizes) % threads == 0 and max(sizes) <= rows + 256
+        assert max(sizes) - min(sizes) <= 256
+    assert _even_bounds(5, 8192, 4) == [(0, 5)]  # fewer rows than the alignment: one task
+    assert _even_bounds(100, 32768, 2) == [(0, 100)]

@@ -268,3 +268,23 @@ def test_rpcholesky_does_not_depend_on_chunking_or_backend(client, rng):
 def test_bad_pivoting_parameters_are_refused(kwargs, error, match, rng):
     with pytest.raises(error, match=match):
         incomplete_cholesky(rng.normal(size=(10, 2)), gamma=1.0, **kwargs)
+
+
+def test_driver_panels_on_threads_and_sized_from_the_last_block_choose_the_same(rng):
+    """Splitting the driver's Schur-complement panels over threads, or sizing them from
+    the last block, changes neither the pivots nor (beyond rounding) their factor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    X = rng.normal(size=(3000, 60))
+    kernel = make_kernel("gaussian", gamma=0.01)
+    cand = Candidates(index=np.arange(3000), values=np.ones(3000), rows=X,
+                      aux=kernel.prepare(X), U=np.zeros((3000, 0)), bound=0.6)
+    args = {"b_max": 200, "rank_tol": 1e-12, "margin": 1e-10}
+    plain = greedy_block(kernel, cand, **args)
+    assert plain.order.shape[0] > 20  # a real block, over several panels
+    with ThreadPoolExecutor(2) as pool:
+        for panel in (None, 5, plain.order.shape[0], 150):
+            other = greedy_block(kernel, cand, panel=panel, pool=pool, n_threads=2, **args)
+            np.testing.assert_array_equal(other.order, plain.order)
+            assert other.reason == plain.reason
+            np.testing.assert_allclose(other.L, plain.L, rtol=0, atol=1e-12)
