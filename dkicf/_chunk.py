@@ -499,7 +499,7 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
         xr = as_float(materialize(x)[local])
     aux = None if state.aux is None else state.aux[local].copy()
     if state.store is None:
-        pr = np.array(state.P[local, : state.rank], dtype=_FLOAT)
+        pr = _gather_rows(state.P, local, state.rank)
     else:
         f = state.flushed
         pr = np.empty((local.shape[0], state.rank), dtype=_FLOAT)
@@ -508,8 +508,18 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
             pr[:, :f] = state.store.array().get_orthogonal_selection(
                 (local + state.offset, slice(0, f))
             )
-        pr[:, f:] = state.P[local, : state.rank - f]
+        pr[:, f:] = _gather_rows(state.P, local, state.rank - f)
     return xr, aux, pr, state.e[local].copy()
+
+
+def _gather_rows(P: np.ndarray, local: np.ndarray, cols: int) -> np.ndarray:
+    """``P[local, :cols]`` as a new Fortran-ordered array.
+
+    Read through the transpose, each column of the Fortran-ordered buffer is
+    gathered as one contiguous run: several times faster than fancy indexing
+    the rows, which visits the columns one strided element at a time.
+    """
+    return P[:, :cols].T[:, local].T
 
 
 def _stashed_rows(state: ChunkState, local: np.ndarray) -> np.ndarray | None:

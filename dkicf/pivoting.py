@@ -743,8 +743,15 @@ class BlockSizer:
         return max(1, min(self.n, fit, max(1024, self.n // 8)))
 
     def count(self, rank: int) -> int:
-        """Candidates to ask for at this rank."""
-        return max(1, min(self.m, self.m_max(rank)))
+        """Candidates to ask for at this rank.
+
+        Block greedy asks for at most 16 per pivot still to add: the last
+        block before ``max_rank`` needs few candidates.
+        """
+        m = min(self.m, self.m_max(rank))
+        if self.rule == "block-greedy":
+            m = min(m, max(64, 16 * (self.capacity - rank)))
+        return max(1, m)
 
     def update(self, rank: int, m_used: int, b: int, reason: str) -> None:
         """Adapt ``m`` after a block of ``b`` pivots chosen from ``m_used`` candidates."""
