@@ -745,12 +745,13 @@ class BlockSizer:
     def count(self, rank: int) -> int:
         """Candidates to ask for at this rank.
 
-        Block greedy asks for at most 16 per pivot still to add: the last
-        block before ``max_rank`` needs few candidates.
+        Block greedy asks for at most 64 per pivot still to add: the last
+        block before ``max_rank`` needs fewer candidates (a cut much closer
+        than that would raise the bound and cost a pass).
         """
         m = min(self.m, self.m_max(rank))
         if self.rule == "block-greedy":
-            m = min(m, max(64, 16 * (self.capacity - rank)))
+            m = min(m, max(64, 64 * (self.capacity - rank)))
         return max(1, m)
 
     def update(self, rank: int, m_used: int, b: int, reason: str) -> None:

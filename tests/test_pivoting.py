@@ -296,5 +296,5 @@ def test_block_greedy_asks_for_fewer_candidates_near_max_rank():
     sizer = BlockSizer("block-greedy", capacity=1000, n=10**6, d=10, rows_per_task=8192,
                        block_size=None)
     assert sizer.count(0) == 4096  # n / 32, capped at 4096
-    assert sizer.count(990) == 160  # 16 per pivot still to add
-    assert sizer.count(999) == 64  # never fewer than 64
+    assert sizer.count(990) == 640  # 64 per pivot still to add
+    assert sizer.count(999) == 64
