@@ -26,6 +26,8 @@ array to a temporary Zarr store and factorizes it on a LocalCluster of
 
 Run: python benchmarks/bench_pivoting.py [--n 60000] [--sizes 100 500 1000] [--repeats 5]
      python benchmarks/bench_pivoting.py --zarr [--zarr-n 400000] [--zarr-d 32] [--sizes 100]
+     python benchmarks/bench_pivoting.py --zarr --zarr-n 12000000 --zarr-dtype float32 \
+         --chunks 48 --memory-limit 600MiB --p-store --sizes 100   # X 1.3x the workers' memory
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def run_rules(X, s: int, repeats: int, **kwargs):
 def run(X, s: int, rule: str, **kwargs):
     from dkicf import incomplete_cholesky
 
+    kwargs = {k: v() if callable(v) else v for k, v in kwargs.items()}
     t0 = time.perf_counter()
     res = incomplete_cholesky(X, max_rank=s, tol=0, pivoting=rule, **kwargs)
     return res, time.perf_counter() - t0
@@ -114,6 +117,8 @@ def bench_numpy(args) -> None:
 def bench_zarr(args) -> None:
     import dask.array as da
 
+    from dask.utils import parse_bytes
+
     from dkicf import local_cluster
 
     client = local_cluster(2, 1, memory_limit=args.memory_limit)
@@ -123,15 +128,23 @@ def bench_zarr(args) -> None:
             rs = da.random.RandomState(args.seed)
             chunk = -(-args.zarr_n // args.chunks)
             X = rs.normal(size=(args.zarr_n, args.zarr_d), chunks=(chunk, args.zarr_d))
-            da.to_zarr(X, path)
+            da.to_zarr(X.astype(args.zarr_dtype), path)
             Xz = da.from_zarr(path)
             gamma = 1.0 / (2 * args.zarr_d)
-            print(f"Zarr random normal n={args.zarr_n} d={args.zarr_d} in {Xz.numblocks[0]} "
-                  f"chunks, gamma={gamma:g}, LocalCluster 2 workers x 1 thread, "
-                  f"persist=False (X re-read every pass)")
+            memory = 2 * parse_bytes(args.memory_limit)
+            print(f"Zarr random normal n={args.zarr_n} d={args.zarr_d} {args.zarr_dtype} in "
+                  f"{Xz.numblocks[0]} chunks ({Xz.nbytes / 1e9:.2f} GB, "
+                  f"{Xz.nbytes / memory:.2f}x the workers' memory), gamma={gamma:g}, "
+                  f"LocalCluster 2 workers x 1 thread x {args.memory_limit}, persist=False "
+                  f"(X re-read every pass)" + (", P in Zarr" if args.p_store else ""))
+            runs = iter(range(10**6))
             for s in args.sizes:
+                extra = {}
+                if args.p_store:
+                    # Each run writes its own P; every pass streams P's flushed columns back.
+                    extra = {"p_store": lambda: os.path.join(tmp, f"P-{next(runs)}.zarr")}
                 results = run_rules(Xz, s, args.repeats, gamma=gamma, client=client,
-                                    persist=False, random_state=args.seed)
+                                    persist=False, random_state=args.seed, **extra)
                 report(s, results, None, args.seed)
                 results.clear()  # release P's chunks on the workers before the next run
     finally:
@@ -152,6 +165,9 @@ def main(argv=None) -> None:
                    help="random data in Zarr on a LocalCluster, persist=False")
     p.add_argument("--zarr-n", type=int, default=400_000)
     p.add_argument("--zarr-d", type=int, default=32)
+    p.add_argument("--zarr-dtype", default="float64", choices=["float32", "float64"])
+    p.add_argument("--p-store", action="store_true",
+                   help="--zarr only: keep P in Zarr (for data larger than the workers' memory)")
     p.add_argument("--chunks", type=int, default=8, help="row chunks of the Zarr array")
     p.add_argument("--memory-limit", default="4GiB", help="per worker, --zarr only")
     args = p.parse_args(argv)

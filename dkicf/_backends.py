@@ -124,9 +124,10 @@ def _even_bounds(n: int, rows: int, n_threads: int, align: int = 256) -> list[tu
     """``(lo, hi)`` ranges of at most about ``rows`` rows covering ``0:n``, as many as a
     multiple of ``n_threads`` and of nearly equal size, so that the threads finish together.
 
-    The boundaries are multiples of ``align`` rows: a row's kernel values then
-    come from the same BLAS code path whatever the number of threads, and the
-    factor is the same to the last bit.
+    The boundaries are multiples of ``align`` rows, so every task starts on
+    whole cache lines.  BLAS kernels may round a row differently depending on
+    its place in a task: the factor can differ in its last bit between thread
+    counts (never the pivots on data without near ties).
     """
     count = max(1, math.ceil(n / rows))
     count = math.ceil(count / n_threads) * n_threads
