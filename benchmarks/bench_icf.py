@@ -168,9 +168,9 @@ def main(argv=None) -> None:
                     default_np.append(t1 - t0)
                     default_dk.append(t2 - t1)
                 best_np, best_dk = min(default_np), min(default_dk)
-                print(f"default pivoting (block-greedy), whole factorization to rank {s} with its set-up: "
-                      f"numpy {best_np:.2f} s, dask {best_dk:.2f} s ({nch} chunks), "
-                      f"ratio dask / numpy = {best_dk / best_np:.2f}")
+                print(f"default pivoting (block-greedy), whole factorization to rank {s} "
+                      f"with its set-up: numpy {best_np:.2f} s, dask {best_dk:.2f} s "
+                      f"({nch} chunks), ratio dask / numpy = {best_dk / best_np:.2f}")
             del Xd
     finally:
         cluster = client.cluster

@@ -26,8 +26,9 @@ array to a temporary Zarr store and factorizes it on a LocalCluster of
 
 Run: python benchmarks/bench_pivoting.py [--n 60000] [--sizes 100 500 1000] [--repeats 5]
      python benchmarks/bench_pivoting.py --zarr [--zarr-n 400000] [--zarr-d 32] [--sizes 100]
-     python benchmarks/bench_pivoting.py --zarr --zarr-n 12000000 --zarr-dtype float32 \
-         --chunks 48 --memory-limit 600MiB --p-store --sizes 100   # X 1.3x the workers' memory
+     python benchmarks/bench_pivoting.py --zarr --zarr-n 1500000 --zarr-d 512 \
+         --zarr-dtype float32 --chunks 64 --memory-limit 1GiB --sizes 100
+         (X 3.07 GB, 1.43x the workers' memory; add --p-store when P does not fit either)
 """
 
 from __future__ import annotations
@@ -116,7 +117,6 @@ def bench_numpy(args) -> None:
 
 def bench_zarr(args) -> None:
     import dask.array as da
-
     from dask.utils import parse_bytes
 
     from dkicf import local_cluster

@@ -113,6 +113,9 @@ class NumpyBackend:
         P = self.state.P[:, :rank]
         return P, self.state.e.copy()
 
+    def abort(self) -> None:
+        """Nothing to cancel: this process holds the whole state."""
+
     def close(self):
         if self._pool is not None:
             self._pool.shutdown()
@@ -504,6 +507,23 @@ class DaskBackend:
         self._x_step = None
         self._events.close()
 
+    def abort(self) -> None:
+        """After a failure: cancel the fit's futures at once.
+
+        The scheduler then forgets them, and the failed tasks under them,
+        before the caller submits anything else.  Left to garbage collection
+        they would live as long as the exception that carries this backend,
+        and a retry made inside the ``except`` block (``resume=True``) would
+        meet the failed keys of X's chunks again.
+        """
+        futures = [f for f in list(self.states or []) + list(self._x_futs or [])
+                   if f is not None]
+        self.states, self._x_futs = [], None
+        try:
+            self.client.cancel(futures)
+        except Exception:  # pragma: no cover - the cluster itself is gone
+            pass
+
 
 class _EventInbox:
     """Chunk summaries that update tasks send as dask events (see ``report_summary``).
@@ -700,7 +720,6 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[in
         return chunks
     width = capacity if store is None else store.columns
     per_row = 8 * d + np.dtype(dtype).itemsize * d + 8 * width + 8 * 6
-    known = [lim for lim in limits if lim > 0]
     starts = np.concatenate([[0], np.cumsum(chunks)])
     n = starts[-1]
     budget = task_budget(limits, threads, n, store)

@@ -345,7 +345,11 @@ def incomplete_cholesky(
                 rule, block_size, block_delta, key, storage,
             )
     except worker_failure_types() as exc:
+        backend.abort()
         raise worker_failure(exc, "factorization", backend.step, storage) from exc
+    except BaseException:
+        backend.abort()
+        raise
     finally:
         backend.close()
     if storage is not None:

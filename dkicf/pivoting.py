@@ -743,16 +743,8 @@ class BlockSizer:
         return max(1, min(self.n, fit, max(1024, self.n // 8)))
 
     def count(self, rank: int) -> int:
-        """Candidates to ask for at this rank.
-
-        Block greedy asks for at most 64 per pivot still to add: the last
-        block before ``max_rank`` needs fewer candidates (a cut much closer
-        than that would raise the bound and cost a pass).
-        """
-        m = min(self.m, self.m_max(rank))
-        if self.rule == "block-greedy":
-            m = min(m, max(64, 64 * (self.capacity - rank)))
-        return max(1, m)
+        """Candidates to ask for at this rank."""
+        return max(1, min(self.m, self.m_max(rank)))
 
     def update(self, rank: int, m_used: int, b: int, reason: str) -> None:
         """Adapt ``m`` after a block of ``b`` pivots chosen from ``m_used`` candidates."""

@@ -1,6 +1,7 @@
 """Surviving faults: driver crashes, dead workers, hostile input, degenerate kernels."""
 
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -15,8 +16,6 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-
-import functools
 
 from dkicf import incomplete_cholesky as _incomplete_cholesky
 from dkicf import local_cluster
@@ -307,6 +306,12 @@ def test_task_killing_its_workers_fails_clearly_and_the_checkpoint_resumes(
     finally:
         marker.unlink(missing_ok=True)
     assert info.value.stage == "factorization" and info.value.iteration == 9
+    # The failed fit left nothing on the scheduler, although its exception (and the
+    # backend in its traceback) is still alive: a retry does not meet failed keys.
+    left = client.run_on_scheduler(
+        lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks if "icf-" in str(k)]
+    )
+    assert left == []
     res = computed(incomplete_cholesky(X, client=client, checkpoint=url, resume=True, **params))
     assert res.info["resumed_from"] == 8
     ref = computed(incomplete_cholesky(X, client=client, checkpoint=str(tmp_path / "ref.zarr"),

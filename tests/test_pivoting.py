@@ -289,12 +289,3 @@ def test_driver_panels_on_threads_and_sized_from_the_last_block_choose_the_same(
             assert other.reason == plain.reason
             np.testing.assert_allclose(other.L, plain.L, rtol=0, atol=1e-12)
 
-
-def test_block_greedy_asks_for_fewer_candidates_near_max_rank():
-    from dkicf.pivoting import BlockSizer
-
-    sizer = BlockSizer("block-greedy", capacity=1000, n=10**6, d=10, rows_per_task=8192,
-                       block_size=None)
-    assert sizer.count(0) == 4096  # n / 32, capped at 4096
-    assert sizer.count(990) == 640  # 64 per pivot still to add
-    assert sizer.count(999) == 64
