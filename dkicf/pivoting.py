@@ -699,7 +699,8 @@ class BlockSizer:
     most ``task_bytes`` (a share of a worker's memory; default 256 MiB).  ``m``
     starts at ``n / 32`` (within [64, 4096]) and doubles while at least one
     candidate in 16 is accepted (a larger candidate set lowers the bound and
-    lets more pivots through); it stays below ``max(1024, n / 8)`` so that
+    lets more pivots through), unless the pivots left to add are fewer than
+    the last block's; it stays below ``max(1024, n / 8)`` so that
     the driver's work, about ``m / n`` of a pass, stays small.  For RPCholesky, ``m`` is the number
     of draws, sized from the observed acceptance rate to fill a block.
     """
@@ -751,7 +752,8 @@ class BlockSizer:
         if self.rule == "block-greedy":
             if reason == "cap":
                 self.m = max(self.m, 2 * b)
-            elif 16 * b >= m_used:
+            elif 16 * b >= m_used and self.capacity - (rank + b) > b:
+                # Grow for larger blocks, unless the rest fits in one like this.
                 self.m = 2 * m_used
         else:
             rate = b / max(m_used, 1)

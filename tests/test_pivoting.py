@@ -289,3 +289,15 @@ def test_driver_panels_on_threads_and_sized_from_the_last_block_choose_the_same(
             assert other.reason == plain.reason
             np.testing.assert_allclose(other.L, plain.L, rtol=0, atol=1e-12)
 
+
+
+def test_candidates_grow_with_the_blocks_but_not_for_a_smaller_last_block():
+    from dkicf.pivoting import BlockSizer
+
+    sizer = BlockSizer("block-greedy", capacity=500, n=60000, d=10, rows_per_task=8192,
+                       block_size=None)
+    assert sizer.count(0) == 1875  # n / 32
+    sizer.update(150, 1875, 131, "bound")  # 1 in 16 accepted, 219 still to add: grow
+    assert sizer.count(281) == 3750
+    sizer.update(281, 3750, 300, "bound")  # the 19 left fit in a block like this one
+    assert sizer.count(481) == 3750
