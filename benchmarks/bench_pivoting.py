@@ -16,8 +16,9 @@ backend: identical pivots, >= 10x fewer passes, >= 5x less time).
 
 ``--repeats R`` runs the rules R times, interleaved (greedy, block greedy,
 RPCholesky, greedy, ...), and reports the median wall time with the range,
-and the time ratio of the medians with the range of the per-round ratios: on
-a shared machine one run of each can be off by a third either way.
+and the time ratio of the medians with the range and the median of the
+per-round ratios (each round's rules run moments apart): on a shared machine
+one run of each can be off by a third either way.
 
 Default data: MNIST (``/work/shared/data/mnist.npz`` or ``--data``), X / 255,
 Gaussian kernel with gamma = 2**-6.  ``--zarr`` instead writes a random dask
@@ -102,7 +103,8 @@ def report(s, results, y, seed):
     trace_gap = float(np.max(np.abs(g.trace_errors[:k] - b.trace_errors[:k]))) if k else 0.0
     print(f"  greedy / block-greedy: passes {g.n_passes / b.n_passes:.1f}x, "
           f"time {g_sec / b_sec:.2f}x (medians of {len(g_secs)} runs"
-          + (f"; per round {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds) > 1 else "")
+          + (f"; per round {min(rounds):.2f}-{max(rounds):.2f}x, median "
+             f"{float(np.median(rounds)):.2f}x" if len(rounds) > 1 else "")
           + f"); pivots identical: {same} (max |trace error difference| {trace_gap:.1e})")
 
 
