@@ -74,10 +74,12 @@ def run_rules(X, s: int, repeats: int, **kwargs):
     return out
 
 
-def run(X, s: int, rule: str, **kwargs):
+def run(X, s: int, rule: str, p_store_dir: str | None = None, **kwargs):
+    """One factorization and its wall time; with ``p_store_dir``, P goes to a new Zarr there."""
     from dkicf import incomplete_cholesky
 
-    kwargs = {k: v() if callable(v) else v for k, v in kwargs.items()}
+    if p_store_dir is not None:
+        kwargs["p_store"] = tempfile.mkdtemp(dir=p_store_dir, suffix=".zarr")
     t0 = time.perf_counter()
     res = incomplete_cholesky(X, max_rank=s, tol=0, pivoting=rule, **kwargs)
     return res, time.perf_counter() - t0
@@ -139,14 +141,12 @@ def bench_zarr(args) -> None:
                   f"{Xz.nbytes / memory:.2f}x the workers' memory), gamma={gamma:g}, "
                   f"LocalCluster 2 workers x 1 thread x {args.memory_limit}, persist=False "
                   f"(X re-read every pass)" + (", P in Zarr" if args.p_store else ""))
-            runs = iter(range(10**6))
             for s in args.sizes:
-                extra = {}
-                if args.p_store:
-                    # Each run writes its own P; every pass streams P's flushed columns back.
-                    extra = {"p_store": lambda: os.path.join(tmp, f"P-{next(runs)}.zarr")}
+                # With --p-store each run writes its own P, and every pass streams
+                # P's flushed columns back.
                 results = run_rules(Xz, s, args.repeats, gamma=gamma, client=client,
-                                    persist=False, random_state=args.seed, **extra)
+                                    persist=False, random_state=args.seed,
+                                    p_store_dir=tmp if args.p_store else None)
                 report(s, results, None, args.seed)
                 results.clear()  # release P's chunks on the workers before the next run
     finally:
