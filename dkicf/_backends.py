@@ -75,7 +75,11 @@ class NumpyBackend:
     def rows(self, index: np.ndarray):
         return _chunk.chunk_rows(self.X, self.state, index)
 
-    def apply(self, block: _chunk.PivotBlock, history=None, m: int = 1, stash: int = 0) -> dict:
+    def apply(
+        self, block: _chunk.PivotBlock, history=None, m: int = 1, stash: int = 0, prefetch=None
+    ) -> dict:
+        """Apply the block to the one chunk; ``prefetch`` is for :class:`DaskBackend` only
+        (here :meth:`map_chunks` is a plain call)."""
         st = self.state
         args = (self.X, st.P, st.e, st.aux, block)
         bounds = self.bounds if block.index.shape[0] == 1 else self.fine_bounds
@@ -339,13 +343,19 @@ class DaskBackend:
         return xr, aux, pr, er
 
     def apply(
-        self, block: _chunk.PivotBlock, history: _chunk.History, m: int = 1, stash: int = 0
+        self, block: _chunk.PivotBlock, history: _chunk.History, m: int = 1, stash: int = 0,
+        prefetch: tuple | None = None,
     ) -> dict:
         """Send the block to every chunk and return the new global summary.
 
         ``stash``: streamed chunks keep the X rows of their ``stash + 1``
         largest residuals for the next :meth:`rows` (see ``chunk_update``).
+        ``prefetch = (lo, hi, request)``: each update task also computes its
+        :func:`~dkicf.pivoting.chunk_block_stats` for that request and sends
+        it with its summary, so that the block loop's next
+        ``map_chunks(chunk_block_stats, lo, hi, request)`` costs no round trip.
         """
+        self._prefetched = None
         arg = block
         if _block_nbytes(block) * len(self.states) > _INLINE_BLOCK_BYTES:
             # Large blocks become one task shared by every chunk: sent to the
@@ -361,12 +371,16 @@ class DaskBackend:
             [None if inbox is None else (inbox.topic, self.step, j)
              for j in range(len(self.states))],
             [_stash_share(stash, c, self.n) for c in self.chunks],
-            each=(True, True, False, True, True),
+            None if inbox is None else prefetch,
+            each=(True, True, False, True, True, False),
         )
         parts = None if inbox is None else inbox.collect(self.step, self.states)
         if parts is None:
             summary = self.summary(m)
         else:
+            stats = [p.pop("block_stats", None) for p in parts]
+            if prefetch is not None and all(st is not None for st in stats):
+                self._prefetched = (prefetch, stats)
             summary = _merge_summaries(parts, m)
         if self.step - self._last_rebase >= self.rebase_every:
             self._rebase(history)
@@ -449,8 +463,20 @@ class DaskBackend:
     def map_chunks(self, func, *args) -> list:
         """``func(x_chunk, state, offset, *args)`` on every chunk, results in chunk order.
 
-        Arguments are embedded in each task; keep them small.
+        Arguments are embedded in each task; keep them small.  The
+        :func:`~dkicf.pivoting.chunk_block_stats` that the last :meth:`apply`
+        prefetched are returned without a task.
         """
+        from .pivoting import chunk_block_stats, same_request
+
+        done = getattr(self, "_prefetched", None)
+        self._prefetched = None
+        if done is not None and func is chunk_block_stats:
+            (lo, hi, request), stats = done
+            if (args[0], args[1]) == (lo, hi) and (
+                args[2].count == 0 or same_request(args[2], request)
+            ):
+                return stats
         self._map_count = getattr(self, "_map_count", 0) + 1
         name = getattr(func, "__name__", "func")
         futs = self._map(

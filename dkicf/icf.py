@@ -492,11 +492,21 @@ def _greedy_loop(
 
 
 def _rows_per_task(backend, n: int) -> int:
-    """Rows one update task holds at once (sizes the kernel block of a pivot block)."""
+    """Rows whose block columns an update task holds at once (sizes a pivot block).
+
+    With P in memory an update writes the block's columns into P's buffer,
+    allocated at full rank, and works through its rows a slice at a time,
+    so the numpy backend and dask chunks alike hold about the numpy
+    backend's thread share of rows.  A Zarr-backed chunk allocates a new
+    tail for its whole chunk when the block does not fit in its free columns.
+    """
+    from ._backends import NumpyBackend
+
+    rows = NumpyBackend._BLOCK_ROWS
     chunks = getattr(backend, "chunks", None)
-    if chunks:
-        return int(max(chunks))
-    return int(min(n, getattr(backend, "_BLOCK_ROWS", n)))
+    if chunks and getattr(backend, "store", None) is not None:
+        rows = max(chunks)
+    return int(min(n, rows))
 
 
 def _block_loop(
@@ -556,14 +566,8 @@ def _block_loop(
     while True:
         i = history.rank
         done = _stop_reason(i, capacity, trace, tol, summary, rank_tol) is not None
-        if done:
-            request = _pivoting.CandidateRequest()
-        elif rule == "block-greedy":
-            request = _pivoting.CandidateRequest("top", sizer.count(i))
-        else:
-            request = _pivoting.CandidateRequest(
-                "race", sizer.count(i), key, draw, floor=rank_tol
-            )
+        request = (_pivoting.CandidateRequest() if done
+                   else _candidate_request(rule, sizer, i, key, draw, rank_tol))
         colsq, cand = _pivoting.gather_candidates(backend, lo, hi, request)
         if hi > lo:
             traces = _pivoting.block_traces(trace, colsq)
@@ -632,7 +636,10 @@ def _block_loop(
         # Block greedy's next candidates are the largest residuals after this
         # pass: streamed chunks keep their rows of X while they have them.
         stash = sizer.count(i + b) if rule == "block-greedy" else 0
-        summary = backend.apply(block, history, 1, stash=stash)
+        # The update tasks also return what the next gather_candidates asks
+        # for (unless the loop then stops), saving a round trip on dask.
+        ahead = _candidate_request(rule, sizer, i + b, key, draw, rank_tol)
+        summary = backend.apply(block, history, 1, stash=stash, prefetch=(i, i + b, ahead))
         trace = summary["trace"]
         lo, hi = i, i + b
     if storage is not None:
@@ -654,6 +661,13 @@ def _block_loop(
     }
     return _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop,
                    summary, start, info)
+
+
+def _candidate_request(rule, sizer, rank, key, draw, rank_tol):
+    """The candidates the block loop asks for at ``rank`` (when it does not stop there)."""
+    if rule == "block-greedy":
+        return _pivoting.CandidateRequest("top", sizer.count(rank))
+    return _pivoting.CandidateRequest("race", sizer.count(rank), key, draw, floor=rank_tol)
 
 
 def _block_state(max_diag, roundoff, key, draw, sizer, blocks) -> dict:

@@ -68,6 +68,17 @@ class Kernel(abc.ABC):
     ) -> np.ndarray:
         """Return the kernel block ``K[i, j] = k(A[i], B[j])`` of shape (len(A), len(B))."""
 
+    def _block_into(self, A, B, a_aux, b_aux, out: np.ndarray) -> np.ndarray:
+        """:meth:`block` written into ``out`` (float64, C-ordered, ``(len(A), len(B))``).
+
+        Block updates call this on every slice of rows with the same scratch
+        array, so that the kernel values need no fresh memory each time
+        (processes with a small mmap threshold, such as dask workers under a
+        nanny, would otherwise fault in new pages for every slice).
+        """
+        out[...] = self.block(A, B, a_aux, b_aux)
+        return out
+
     def column(
         self,
         A: np.ndarray,
@@ -132,6 +143,16 @@ class GaussianKernel(Kernel):
         out = np.dot(A, 2.0 * B.T)
         if out.dtype != np.float64:
             out = out.astype(np.float64)
+        out -= a_sq[:, None]
+        out -= b_sq[None, :]
+        return self._finish(out)
+
+    def _block_into(self, A, B, a_aux, b_aux, out):
+        if A.dtype != np.float64 or B.dtype != np.float64:
+            return super()._block_into(A, B, a_aux, b_aux, out)
+        a_sq = _sqnorms(A) if a_aux is None else a_aux
+        b_sq = _sqnorms(B) if b_aux is None else b_aux
+        np.dot(A, 2.0 * B.T, out=out)
         out -= a_sq[:, None]
         out -= b_sq[None, :]
         return self._finish(out)
@@ -203,6 +224,11 @@ class PolynomialKernel(Kernel):
     def block(self, A, B, a_aux=None, b_aux=None):
         return self._finish(np.dot(A, B.T).astype(np.float64, copy=False))
 
+    def _block_into(self, A, B, a_aux, b_aux, out):
+        if A.dtype != np.float64 or B.dtype != np.float64:
+            return super()._block_into(A, B, a_aux, b_aux, out)
+        return self._finish(np.dot(A, B.T, out=out))
+
     def column(self, A, b, a_aux=None, b_aux=None):
         return self._finish(np.dot(A, b).astype(np.float64, copy=False))
 
@@ -237,6 +263,11 @@ class LinearKernel(Kernel):
 
     def block(self, A, B, a_aux=None, b_aux=None):
         return np.dot(A, B.T).astype(np.float64, copy=False)
+
+    def _block_into(self, A, B, a_aux, b_aux, out):
+        if A.dtype != np.float64 or B.dtype != np.float64:
+            return super()._block_into(A, B, a_aux, b_aux, out)
+        return np.dot(A, B.T, out=out)
 
     def column(self, A, b, a_aux=None, b_aux=None):
         return np.dot(A, b).astype(np.float64, copy=False)

@@ -162,6 +162,14 @@ class CandidateRequest:
     floor: float = 0.0
 
 
+def same_request(a: CandidateRequest, b: CandidateRequest) -> bool:
+    """Whether two requests ask for the same candidates (keys compared by value)."""
+    same_key = (a.key is None and b.key is None) or (
+        a.key is not None and b.key is not None and np.array_equal(a.key, b.key)
+    )
+    return (a.rule, a.count, a.draw, a.floor) == (b.rule, b.count, b.draw, b.floor) and same_key
+
+
 def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: CandidateRequest) -> dict:
     """Per-column sums of squares of P[:, lo:hi] and this chunk's candidates.
 

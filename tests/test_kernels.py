@@ -36,6 +36,25 @@ def test_block_and_diag_match_scikit_learn(name, params, reference, rng):
     )
 
 
+@pytest.mark.parametrize(
+    "kernel",
+    [make_kernel("gaussian", gamma=0.3), make_kernel("laplacian", gamma=0.7),
+     make_kernel("polynomial", gamma=0.5, degree=2, coef0=1.5), make_kernel("linear"),
+     CallableKernel(lambda A, B: (A @ B.T) ** 2)],
+    ids=lambda k: k.name,
+)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_block_into_a_scratch_array_equals_block(kernel, dtype, rng):
+    """Block updates write kernel blocks into reused scratch arrays: same bits as block()."""
+    A = rng.normal(size=(40, 5)).astype(dtype)
+    B = rng.normal(size=(6, 5)).astype(dtype)
+    a_aux, b_aux = kernel.prepare(A), kernel.prepare(B)
+    out = np.full((40, 6), np.nan)
+    got = kernel._block_into(A, B, a_aux, b_aux, out)
+    assert got is out
+    np.testing.assert_array_equal(out, kernel.block(A, B, a_aux, b_aux))
+
+
 def test_callable_kernel_block_and_diag(rng):
     def cosine_plus(A, B):
         return A @ B.T + 1.0

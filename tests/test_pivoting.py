@@ -13,6 +13,7 @@ from dkicf.pivoting import (
     chunk_block_stats,
     greedy_block,
     rpcholesky_key,
+    same_request,
 )
 
 
@@ -236,6 +237,63 @@ def test_block_greedy_on_dask_with_uneven_chunks(client, rng):
     np.testing.assert_allclose(res.trace_errors, seq.trace_errors, rtol=0, atol=1e-10)
     np.testing.assert_allclose(res.P.compute(), seq.P, rtol=0, atol=1e-8)
     assert res.n_passes == 1 + len(res.info["block_sizes"]) < 20
+
+
+@pytest.mark.parametrize("pivoting", ["block-greedy", "rpcholesky"])
+def test_dask_takes_the_numpy_blocks_and_one_round_trip_fewer_per_pass(
+    pivoting, client, rng, monkeypatch
+):
+    """The block sizes do not depend on the backend, and the update tasks return the next
+    candidates: the candidate statistics are mapped over the chunks for the first pass only."""
+    from dkicf._backends import DaskBackend
+
+    maps = []
+    real_map = DaskBackend._map
+
+    def spy(self, name, func, *args, each):
+        maps.append(name)
+        return real_map(self, name, func, *args, each=each)
+
+    monkeypatch.setattr(DaskBackend, "_map", spy)
+    X = rng.normal(size=(6000, 5))
+    kw = {"gamma": 0.3, "max_rank": 150, "tol": 0, "pivoting": pivoting, "random_state": 3}
+    ref = incomplete_cholesky(X, **kw)
+    res = incomplete_cholesky(da.from_array(X, chunks=(3000, 5)), client=client, **kw)
+    assert res.info["block_sizes"] == ref.info["block_sizes"]
+    assert len(res.info["block_sizes"]) >= 2
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P, rtol=0, atol=1e-10)
+    assert maps.count("update") == len(res.info["block_sizes"])
+    assert [m for m in maps if m.startswith("chunk_block_stats")] == ["chunk_block_stats-1"]
+
+
+def test_block_size_memory_rule_counts_a_slice_of_rows_unless_p_is_in_zarr():
+    """In-memory updates work a slice at a time into P's full-rank buffer, so a dask chunk
+    of half a million rows caps blocks as the numpy backend does; a Zarr-backed chunk
+    allocates a new tail for all its rows."""
+    from types import SimpleNamespace
+
+    from dkicf._backends import NumpyBackend
+    from dkicf.icf import _rows_per_task
+
+    rows = NumpyBackend._BLOCK_ROWS
+    in_memory = SimpleNamespace(chunks=(500_000, 499_000), store=None)
+    in_zarr = SimpleNamespace(chunks=(500_000, 499_000), store=object())
+    assert _rows_per_task(in_memory, 999_000) == rows
+    assert _rows_per_task(in_zarr, 999_000) == 500_000
+    assert _rows_per_task(SimpleNamespace(), 10**6) == rows  # the numpy backend
+    assert _rows_per_task(SimpleNamespace(), 1000) == 1000
+
+
+def test_a_prefetched_request_serves_only_the_same_request():
+    key = np.array([1, 2], dtype=np.uint64)
+    race = CandidateRequest("race", 40, key, 3, floor=1e-9)
+    assert same_request(race, CandidateRequest("race", 40, key.copy(), 3, floor=1e-9))
+    assert not same_request(race, CandidateRequest("race", 40, key, 4, floor=1e-9))
+    assert not same_request(race, CandidateRequest("race", 40, key + 1, 3, floor=1e-9))
+    assert not same_request(race, CandidateRequest("top", 40))
+    assert same_request(CandidateRequest("top", 40), CandidateRequest("top", 40))
+    assert not same_request(CandidateRequest("top", 40), CandidateRequest("top", 41))
 
 
 def test_rpcholesky_does_not_depend_on_chunking_or_backend(client, rng):
