@@ -30,6 +30,8 @@ Run: python benchmarks/bench_pivoting.py [--n 60000] [--sizes 100 500 1000] [--r
      python benchmarks/bench_pivoting.py --zarr --zarr-n 1500000 --zarr-d 512 \
          --zarr-dtype float32 --chunks 64 --memory-limit 1GiB --sizes 100
          (X 3.07 GB, 1.43x the workers' memory; add --p-store when P does not fit either)
+     python benchmarks/bench_pivoting.py ... --rules block-greedy rpcholesky
+         (skip the sequential rule where its one pass per pivot would take hours)
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def accuracy(P, y, seed: int) -> float:
     return clustering_accuracy(y, labels)
 
 
-def run_rules(X, s: int, repeats: int, **kwargs):
+def run_rules(X, s: int, repeats: int, rules=RULES, **kwargs):
     """Each rule ``repeats`` times, interleaved: ``{rule: (result, [seconds, ...])}``.
 
     Only the last round's results are kept (the rules are deterministic for a
@@ -76,16 +78,16 @@ def run_rules(X, s: int, repeats: int, **kwargs):
     ~1.6 ms/MB to touch again (0.4 s for P at s = 500 on MNIST); held
     results made every run pay that, by a varying amount.
     """
-    secs: dict[str, list[float]] = {rule: [] for rule in RULES}
+    secs: dict[str, list[float]] = {rule: [] for rule in rules}
     kept = {}
     for r in range(repeats):
-        for rule in RULES:
+        for rule in rules:
             res, sec = run(X, s, rule, **kwargs)
             secs[rule].append(sec)
             if r == repeats - 1:
                 kept[rule] = res
             del res
-    return {rule: (kept[rule], secs[rule]) for rule in RULES}
+    return {rule: (kept[rule], secs[rule]) for rule in rules}
 
 
 def run(X, s: int, rule: str, p_store_dir: str | None = None, **kwargs):
@@ -110,6 +112,8 @@ def report(s, results, y, seed):
         spread = f"{min(secs):.2f}-{max(secs):.2f}" if len(secs) > 1 else ""
         print(f"  {rule:<13}{res.rank:>6}{res.n_passes:>8}{np.median(secs):>10.2f}{spread:>14}"
               f"{res.trace_errors[-1]:>14.6g}{acc}   {blocks}")
+    if "greedy" not in results or "block-greedy" not in results:
+        return
     g, g_secs = results["greedy"]
     b, b_secs = results["block-greedy"]
     g_sec, b_sec = float(np.median(g_secs)), float(np.median(b_secs))
@@ -129,7 +133,8 @@ def bench_numpy(args) -> None:
     print(f"MNIST n={X.shape[0]} d={X.shape[1]} gamma=2**-6, numpy backend, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     for s in args.sizes:
-        results = run_rules(X, s, args.repeats, gamma=2.0**-6, random_state=args.seed)
+        results = run_rules(X, s, args.repeats, args.rules, gamma=2.0**-6,
+                            random_state=args.seed)
         report(s, results, y, args.seed)
 
 
@@ -158,7 +163,8 @@ def bench_zarr(args) -> None:
             for s in args.sizes:
                 # With --p-store each run writes its own P, and every pass streams
                 # P's flushed columns back.
-                results = run_rules(Xz, s, args.repeats, gamma=gamma, client=client,
+                results = run_rules(Xz, s, args.repeats, args.rules, gamma=gamma,
+                                    client=client,
                                     persist=False, random_state=args.seed,
                                     p_store_dir=tmp if args.p_store else None)
                 report(s, results, None, args.seed)
@@ -177,6 +183,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each rule, interleaved; medians are reported")
+    p.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES),
+                   help="pivot rules to run (the comparison needs greedy and block-greedy)")
     p.add_argument("--zarr", action="store_true",
                    help="random data in Zarr on a LocalCluster, persist=False")
     p.add_argument("--zarr-n", type=int, default=400_000)
