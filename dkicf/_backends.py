@@ -356,6 +356,8 @@ class DaskBackend:
         ``map_chunks(chunk_block_stats, lo, hi, request)`` costs no round trip.
         """
         self._prefetched = None
+        if prefetch is not None and (prefetch[2].count + 1) * len(self.states) > _PREFETCH_ENTRIES:
+            prefetch = None
         arg = block
         if _block_nbytes(block) * len(self.states) > _INLINE_BLOCK_BYTES:
             # Large blocks become one task shared by every chunk: sent to the
@@ -611,12 +613,31 @@ class _EventInbox:
                 done_since = None
 
     def close(self) -> None:
+        """Unsubscribe, and drop the topic's events from the scheduler's log.
+
+        The scheduler keeps the last events of every topic (1,000 by
+        default) for as long as it runs; a fit's summaries are of no use
+        once it has ended, and a long-lived scheduler would otherwise hold
+        them for every fit.
+        """
         if self._subscribed:
             try:
                 self.client.unsubscribe_topic(self.topic)
-            except Exception:  # pragma: no cover - client already closed
+                if self.client.status == "running":  # not after the cluster went away
+                    self.client.run_on_scheduler(_drop_topic, topic=self.topic)
+            except Exception:  # pragma: no cover - client closed, or no remote functions
                 pass
             self._subscribed = False
+
+
+def _drop_topic(topic: str, dask_scheduler=None) -> bool:
+    """On the scheduler: forget an event topic and its stored events (best effort)."""
+    broker = getattr(dask_scheduler, "_broker", None)
+    topics = getattr(broker, "_topics", None)
+    if topics is None or topic not in topics:
+        return False
+    topics.pop(topic).truncate()
+    return True
 
 
 def _stash_share(count: int, rows: int, n: int) -> int:
@@ -805,6 +826,10 @@ def _gib(nbytes: float) -> str:
 
 
 _INLINE_BLOCK_BYTES = 1 << 20
+# Candidate statistics an update pass may send as events, over all chunks
+# (residuals and row indices; each entry is a Python number in the
+# scheduler's event log until the fit ends).  Larger requests are mapped.
+_PREFETCH_ENTRIES = 1 << 16
 
 
 def _block_nbytes(block: _chunk.PivotBlock) -> int:

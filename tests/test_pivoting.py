@@ -285,6 +285,40 @@ def test_block_size_memory_rule_counts_a_slice_of_rows_unless_p_is_in_zarr():
     assert _rows_per_task(SimpleNamespace(), 1000) == 1000
 
 
+def test_large_candidate_requests_are_mapped_not_sent_as_events(client, rng, monkeypatch):
+    """Above the event budget the next candidates are fetched by a map, with the same result."""
+    import dkicf._backends as backends
+
+    X = rng.normal(size=(3000, 4))
+    kw = {"gamma": 0.3, "max_rank": 60, "tol": 0}
+    ref = incomplete_cholesky(X, **kw)
+    maps = []
+    real_map = backends.DaskBackend._map
+
+    def spy(self, name, func, *args, each):
+        maps.append(name)
+        return real_map(self, name, func, *args, each=each)
+
+    monkeypatch.setattr(backends.DaskBackend, "_map", spy)
+    monkeypatch.setattr(backends, "_PREFETCH_ENTRIES", 8)
+    res = incomplete_cholesky(da.from_array(X, chunks=(1000, 4)), client=client, **kw)
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    stats = [m for m in maps if m.startswith("chunk_block_stats")]
+    assert len(stats) == len(res.info["block_sizes"]) + 1  # one per pass, and the last
+
+
+@pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])
+def test_a_fit_leaves_no_summaries_in_the_scheduler_event_log(pivoting, client, rng):
+    """The update tasks report as dask events; the scheduler would keep the last
+    1,000 of every topic for as long as it runs."""
+    X = da.from_array(rng.normal(size=(2000, 3)), chunks=(500, 3))
+    res = incomplete_cholesky(X, gamma=0.5, max_rank=30, tol=0, pivoting=pivoting,
+                              client=client)
+    assert res.rank == 30
+    left = [t for t in client.get_events() if str(t).startswith("dkicf-icf-")]
+    assert left == []
+
+
 def test_a_prefetched_request_serves_only_the_same_request():
     key = np.array([1, 2], dtype=np.uint64)
     race = CandidateRequest("race", 40, key, 3, floor=1e-9)
