@@ -239,22 +239,29 @@ def test_block_greedy_on_dask_with_uneven_chunks(client, rng):
     assert res.n_passes == 1 + len(res.info["block_sizes"]) < 20
 
 
-@pytest.mark.parametrize("pivoting", ["block-greedy", "rpcholesky"])
-def test_dask_takes_the_numpy_blocks_and_one_round_trip_fewer_per_pass(
-    pivoting, client, rng, monkeypatch
-):
-    """The block sizes do not depend on the backend, and the update tasks return the next
-    candidates: the candidate statistics are mapped over the chunks for the first pass only."""
+@pytest.fixture
+def map_names(monkeypatch):
+    """The names of the task maps the dask backend submits, in order."""
     from dkicf._backends import DaskBackend
 
-    maps = []
+    names = []
     real_map = DaskBackend._map
 
     def spy(self, name, func, *args, each):
-        maps.append(name)
+        names.append(name)
         return real_map(self, name, func, *args, each=each)
 
     monkeypatch.setattr(DaskBackend, "_map", spy)
+    return names
+
+
+@pytest.mark.parametrize("pivoting", ["block-greedy", "rpcholesky"])
+def test_dask_takes_the_numpy_blocks_and_one_round_trip_fewer_per_pass(
+    pivoting, client, rng, map_names
+):
+    """The block sizes do not depend on the backend, and the update tasks return the next
+    candidates: the candidate statistics are mapped over the chunks for the first pass only."""
+    maps = map_names
     X = rng.normal(size=(6000, 5))
     kw = {"gamma": 0.3, "max_rank": 150, "tol": 0, "pivoting": pivoting, "random_state": 3}
     ref = incomplete_cholesky(X, **kw)
@@ -285,21 +292,16 @@ def test_block_size_memory_rule_counts_a_slice_of_rows_unless_p_is_in_zarr():
     assert _rows_per_task(SimpleNamespace(), 1000) == 1000
 
 
-def test_large_candidate_requests_are_mapped_not_sent_as_events(client, rng, monkeypatch):
+def test_large_candidate_requests_are_mapped_not_sent_as_events(
+    client, rng, monkeypatch, map_names
+):
     """Above the event budget the next candidates are fetched by a map, with the same result."""
     import dkicf._backends as backends
 
     X = rng.normal(size=(3000, 4))
     kw = {"gamma": 0.3, "max_rank": 60, "tol": 0}
     ref = incomplete_cholesky(X, **kw)
-    maps = []
-    real_map = backends.DaskBackend._map
-
-    def spy(self, name, func, *args, each):
-        maps.append(name)
-        return real_map(self, name, func, *args, each=each)
-
-    monkeypatch.setattr(backends.DaskBackend, "_map", spy)
+    maps = map_names
     monkeypatch.setattr(backends, "_PREFETCH_ENTRIES", 8)
     res = incomplete_cholesky(da.from_array(X, chunks=(1000, 4)), client=client, **kw)
     np.testing.assert_array_equal(res.pivots, ref.pivots)
