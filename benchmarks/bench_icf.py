@@ -19,7 +19,9 @@ machine slows both alike.  The time an iteration takes is the time between
 two callbacks minus the baseline run in between.  The one-off set-up (kernel
 diagonal, allocating and faulting in P's memory, first summary) is printed
 separately: on a virtual machine the first touch of fresh memory can cost
-more than the whole factorization.
+more than the whole factorization.  The backends take turns (numpy, dask
+with each chunking, numpy, ...), all with the cluster up, and each reports
+its best of ``--repeats`` runs.
 
 Run: python benchmarks/bench_icf.py [--n 1000000] [--d 16] [--rank 100]
 """
@@ -89,16 +91,17 @@ class PairedTimer:
         return 1000 * float(np.mean(self.icf)), 1000 * float(np.mean(self.plain))
 
 
-def run(timer: PairedTimer, repeats: int, factorize) -> tuple[float, float, float]:
-    """Best ICF ms/iteration over ``repeats`` runs, its paired plain ms and the set-up s."""
-    best = None
-    for _ in range(repeats):
-        timer.begin()
-        factorize(timer)
-        ms_icf, ms_plain = timer.ms()
-        if best is None or ms_icf / ms_plain < best[0] / best[1]:
-            best = (ms_icf, ms_plain, timer.setup)
-    return best
+def best(times: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """The run with the lowest ICF / plain-pass ratio: (ICF ms, plain ms, set-up s)."""
+    return min(times, key=lambda t: t[0] / t[1])
+
+
+def timed(timer: PairedTimer, factorize) -> tuple[float, float, float]:
+    """One factorization: ICF ms/iteration, its paired plain-pass ms and the set-up s."""
+    timer.begin()
+    factorize(timer)
+    ms_icf, ms_plain = timer.ms()
+    return ms_icf, ms_plain, timer.setup
 
 
 def main(argv=None) -> None:
@@ -114,6 +117,8 @@ def main(argv=None) -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[2, 8],
                    help="row chunks of the dask array (one run per value)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--processes-only", action="store_true",
+                   help="skip the LocalCluster of in-process workers")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(args.n, args.d))
@@ -127,56 +132,93 @@ def main(argv=None) -> None:
                                   pivoting="greedy")
         assert res.rank == s, res.stop_reason
 
-    ms_np, base_np, setup_np = run(timer, args.repeats, numpy_fit)
-    print(f"numpy backend : {ms_np:8.2f} ms/iteration, plain pass {base_np:6.2f} ms, "
-          f"set-up {setup_np:.2f} s")
-    print(f"ratio numpy / plain pass = {ms_np / base_np:.2f}  (target <= 1.3)")
-
-    client = local_cluster(2, 1, memory_limit="8GiB")
+    clusters = {"worker processes": local_cluster(2, 1, memory_limit="8GiB")}
     try:
         from distributed import wait
 
-        for nch in args.chunks:
-            # X in worker memory before timing, as a Zarr-backed array would be
-            # after its first read.
-            Xd = da.from_array(X, chunks=(-(-args.n // nch), args.d))
-            Xd = client.persist(Xd)
-            wait(Xd)
+        if not args.processes_only:
+            clusters["in-process workers"] = in_process_cluster()
+        # X in worker memory before timing, as a Zarr-backed array would be
+        # after its first read.
+        Xds = {}
+        for name, client in clusters.items():
+            for nch in args.chunks:
+                Xds[name, nch] = client.persist(
+                    da.from_array(X, chunks=(-(-args.n // nch), args.d))
+                )
+                wait(Xds[name, nch])
 
-            def dask_fit(cb, Xd=Xd):
-                res = incomplete_cholesky(Xd, gamma=args.gamma, max_rank=s, tol=0,
-                                          pivoting="greedy",
-                                          client=client, progress=cb)
-                assert res.rank == s, res.stop_reason
+        def dask_fit(cb, name, nch):
+            res = incomplete_cholesky(Xds[name, nch], gamma=args.gamma, max_rank=s, tol=0,
+                                      pivoting="greedy", client=clusters[name], progress=cb)
+            assert res.rank == s, res.stop_reason
 
-            ms_dk, base_dk, setup_dk = run(timer, args.repeats, dask_fit)
+        # The backends take turns (numpy, dask on each cluster with each
+        # chunking, numpy, ...), so that a slow phase of the machine hits them alike.
+        runs = {"numpy": [], **{key: [] for key in Xds}}
+        for _ in range(args.repeats):
+            runs["numpy"].append(timed(timer, numpy_fit))
+            for key in Xds:
+                runs[key].append(timed(timer, lambda cb, key=key: dask_fit(cb, *key)))
+        ms_np, base_np, setup_np = best(runs["numpy"])
+        print(f"numpy backend : {ms_np:8.2f} ms/iteration, plain pass {base_np:6.2f} ms, "
+              f"set-up {setup_np:.2f} s")
+        print(f"ratio numpy / plain pass = {ms_np / base_np:.2f}  (target <= 1.3)")
+        for name, nch in Xds:
+            ms_dk, base_dk, setup_dk = best(runs[name, nch])
             # The numpy figure is normalised by its own paired baseline, so that a
             # slower phase of the machine during one run does not bias the ratio.
             ratio = (ms_dk / base_dk) / (ms_np / base_np)
             print(f"dask backend  : {ms_dk:8.2f} ms/iteration, plain pass {base_dk:6.2f} ms, "
-                  f"set-up {setup_dk:.2f} s (2 workers x 1 thread, {nch} chunks)")
+                  f"set-up {setup_dk:.2f} s (LocalCluster, 2 {name} x 1 thread, {nch} chunks)")
             print(f"ratio dask / numpy = {ratio:.2f} ({ms_dk / ms_np:.2f} unpaired)  "
                   "(target <= 1.5)")
-            if nch == args.chunks[0]:
-                default_np, default_dk = [], []
-                for _ in range(args.repeats):  # interleaved: a slow phase hits both
-                    t0 = time.perf_counter()
-                    incomplete_cholesky(X, gamma=args.gamma, max_rank=s, tol=0)
-                    t1 = time.perf_counter()
-                    incomplete_cholesky(Xd, gamma=args.gamma, max_rank=s, tol=0, client=client)
-                    t2 = time.perf_counter()
-                    default_np.append(t1 - t0)
-                    default_dk.append(t2 - t1)
-                best_np, best_dk = min(default_np), min(default_dk)
-                print(f"default pivoting (block-greedy), whole factorization to rank {s} "
-                      f"with its set-up: numpy {best_np:.2f} s, dask {best_dk:.2f} s "
-                      f"({nch} chunks), ratio dask / numpy = {best_dk / best_np:.2f}")
-            del Xd
+        nch = args.chunks[0]
+        whole = {"numpy": [], **{name: [] for name in clusters}}
+        for _ in range(args.repeats):  # interleaved: a slow phase hits all alike
+            t0 = time.perf_counter()
+            incomplete_cholesky(X, gamma=args.gamma, max_rank=s, tol=0)
+            whole["numpy"].append(time.perf_counter() - t0)
+            for name, client in clusters.items():
+                t0 = time.perf_counter()
+                incomplete_cholesky(Xds[name, nch], gamma=args.gamma, max_rank=s, tol=0,
+                                    client=client)
+                whole[name].append(time.perf_counter() - t0)
+        best_np = min(whole["numpy"])
+        print(f"default pivoting (block-greedy), whole factorization to rank {s} "
+              f"with its set-up: numpy {best_np:.2f} s")
+        for name in clusters:
+            best_dk = min(whole[name])
+            print(f"  dask, 2 {name} x 1 thread ({nch} chunks): {best_dk:.2f} s, "
+                  f"ratio dask / numpy = {best_dk / best_np:.2f}")
+        Xds.clear()
     finally:
-        cluster = client.cluster
-        client.close()
-        cluster.close()
+        for client in clusters.values():
+            cluster = client.cluster
+            client.close()
+            cluster.close()
 
+
+def in_process_cluster():
+    """A LocalCluster of 2 workers x 1 thread in this process (no network: in-process comms).
+
+    Its workers share this process's memory, so they run without memory
+    limits (a limit would be checked against the whole process).
+    """
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    from dkicf.deploy import _scheduler_http
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # its closing messages too
+    with _scheduler_http(False):
+        cluster = LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, memory_limit=0,
+            dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False},
+            silence_logs=logging.WARNING,
+        )
+    return Client(cluster)
 
 if __name__ == "__main__":
     main()
