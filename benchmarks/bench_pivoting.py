@@ -106,7 +106,10 @@ def accuracy(P, y, seed: int, client=None) -> float:
     else:
         from dkicf import kmeans
 
-        labels = np.asarray(kmeans(P, 10, n_init=3, random_state=seed, client=client).labels)
+        # P may be larger than the workers' memory (it is in Zarr): read per pass.
+        labels = np.asarray(
+            kmeans(P, 10, n_init=3, random_state=seed, client=client, persist=False).labels
+        )
     return clustering_accuracy(y, labels)
 
 
