@@ -320,6 +320,7 @@ class _DaskBackend:
         self.chunks = tuple(int(c) for c in P.chunks[0])
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
         if persist:
+            _check_fits(self.client, P)
             self.blocks = self.client.compute(list(P.to_delayed().ravel()))
         else:
             # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
@@ -380,6 +381,23 @@ class _DaskBackend:
 
     def close(self) -> None:
         self.blocks = None
+
+
+def _check_fits(client, P) -> None:
+    """Refuse to hold a P larger than the cluster's memory (its workers would be killed)."""
+    from ._backends import _gib, _worker_resources
+
+    limits, _ = _worker_resources(client)
+    if limits and all(limits):
+        nbytes = int(np.prod(P.shape)) * P.dtype.itemsize
+        if nbytes > sum(limits):
+            raise ValueError(
+                f"P is {_gib(nbytes)}, more than the {_gib(sum(limits))} of memory of the "
+                f"cluster's {len(limits)} workers, so it cannot be held there: pass "
+                "persist=False to read P's chunks from its source (for example the Zarr "
+                "array of a factorization run with p_store=) in every pass, or add workers "
+                "or memory."
+            )
 
 
 def _backend(P, client, persist: bool = True):
@@ -1079,7 +1097,9 @@ def kmeans(
         the Zarr array of a factorization run with ``p_store=``) in every task
         that needs it, so that a P larger than the cluster's memory is never
         held, at the cost of a read of P per pass and per batch of
-        mini-batch steps fetched.  The result is the same.
+        mini-batch steps fetched.  The result is the same.  ``True`` with a P
+        larger than the memory of the cluster's workers raises ValueError
+        before any task runs.
 
     Returns
     -------

@@ -273,6 +273,19 @@ def test_reading_p_from_zarr_each_pass_equals_holding_it(km_client, algorithm, t
         kmeans(P, 5, client=km_client, persist="no")
 
 
+def test_holding_a_p_larger_than_the_cluster_is_refused(km_client):
+    """persist=True with P beyond the workers' memory: a clear error before any task runs."""
+    import dask.array as da
+
+    info = km_client.scheduler_info(n_workers=-1)["workers"].values()
+    total = sum(int(w["memory_limit"]) for w in info)
+    rows = int(1.5 * total // (8 * 1000))
+    P = da.zeros((rows, 1000), chunks=(rows // 8 + 1, 1000))  # lazy: never computed
+    with pytest.raises(ValueError, match=r"more than the .* GiB of memory .* persist=False"):
+        kmeans(P, 5, client=km_client, random_state=0)
+    assert not any("zeros" in str(k) for k in km_client.who_has())
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_chunkings_agree(km_client, algorithm):
     X = overlapping(sum(UNEVEN))
