@@ -382,3 +382,49 @@ def test_even_bounds_cover_the_rows_in_equal_shares():
         assert max(sizes) - min(sizes) <= 256
     assert _even_bounds(5, 8192, 4) == [(0, 5)]  # fewer rows than the alignment: one task
     assert _even_bounds(100, 32768, 2) == [(0, 100)]
+
+
+def _spilled_keys(dask_worker=None) -> int:
+    return len(getattr(dask_worker.data, "slow", ()))
+
+
+def test_states_sharing_p_are_weighed_once(client):
+    """Dask weighs a new chunk state while the update's input is still held.
+    The two share P: counting P in each made the workers spill states to
+    disk (pickling all of P) once P took more than ~30% of their memory.
+    Here P is ~35% of each 2 GiB worker."""
+    n, capacity = 1_000_000, 180  # 500,000 rows x 180 columns = 720 MB per worker
+    kind = da.arange(n, chunks=n // 2) % 3  # three distinct points: rank 3
+    X = da.stack([(kind == 1).astype(float), 2.0 * (kind == 2)], axis=1)
+    res = incomplete_cholesky(X, gamma=1.0, max_rank=capacity, client=client)
+    assert res.rank == 3
+    assert sum(client.run(_spilled_keys).values()) == 0
+
+
+def test_consecutive_states_weigh_their_distinct_buffers(rng):
+    """The weights dask sees for an update's input and output add up to the
+    memory the two hold together (their buffers are shared, not copied)."""
+    from dask.sizeof import sizeof
+
+    from dkicf._chunk import PivotBlock, chunk_init, chunk_update
+
+    x = rng.normal(size=(5000, 3))
+    kernel = GaussianKernel(0.5)
+    states = [chunk_init(x, kernel, 0, 40)]
+    for i in range(3):
+        st = states[-1]
+        t = int(np.argmax(st.e))
+        block = PivotBlock(kernel=kernel, index=np.array([t]), rows=x[t : t + 1],
+                           aux=None if st.aux is None else st.aux[t : t + 1],
+                           U=st.P[t : t + 1, :i].copy(), L=np.array([[np.sqrt(st.e[t])]]),
+                           rank=i)
+        states.append(chunk_update(x, st, block))
+    for a, b in zip(states[1:], states[2:]):
+        buffers = {}
+        for arr in (a.P, a.e, a.spare, a.aux, b.P, b.e, b.spare, b.aux):
+            if arr is not None:
+                base = arr if arr.base is None else arr.base
+                buffers[id(base)] = base.nbytes
+        held = sum(buffers.values())
+        assert held == a.P.nbytes + 2 * a.e.nbytes + a.aux.nbytes  # P once, two residuals
+        assert abs(sizeof(a) + sizeof(b) - held) < 0.01 * held
