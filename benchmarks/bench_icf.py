@@ -23,6 +23,13 @@ more than the whole factorization.  The backends take turns (numpy, dask
 with each chunking, numpy, ...), all with the cluster up, and each reports
 its best of ``--repeats`` runs.
 
+Pairing has a bias in dask's favour: what the scheduler and the workers
+still do after an iteration's summaries have arrived overlaps the plain
+pass and is subtracted with it.  So the same runs are also made without
+the plain pass (a callback that only notes the time): the median
+iteration of each backend, a user's view, against the median of a plain
+pass repeated at each rank in turns with them.
+
 Run: python benchmarks/bench_icf.py [--n 1000000] [--d 16] [--rank 100]
 """
 
@@ -89,6 +96,33 @@ class PairedTimer:
 
     def ms(self) -> tuple[float, float]:
         return 1000 * float(np.mean(self.icf)), 1000 * float(np.mean(self.plain))
+
+
+class Stamps:
+    """Progress callback that only notes when each iteration ends."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, progress) -> None:
+        self.times.append(time.perf_counter())
+
+    def ms(self) -> float:
+        """Median milliseconds per iteration, the first (with the set-up) left out."""
+        return 1000 * float(np.median(np.diff(self.times)))
+
+
+def plain_alone(timer: PairedTimer, s: int) -> float:
+    """Median milliseconds of the plain pass at ranks 2..s, with nothing in between."""
+
+    class Rank:
+        def __init__(self, rank):
+            self.rank = rank
+
+    timer.begin()
+    for i in range(1, s + 1):
+        timer(Rank(i))
+    return 1000 * float(np.median(timer.plain))
 
 
 def best(times: list[tuple[float, float, float]]) -> tuple[float, float, float]:
@@ -173,6 +207,24 @@ def main(argv=None) -> None:
                   f"set-up {setup_dk:.2f} s (LocalCluster, 2 {name} x 1 thread, {nch} chunks)")
             print(f"ratio dask / numpy = {ratio:.2f} ({ms_dk / ms_np:.2f} unpaired)  "
                   "(target <= 1.5)")
+        # The same factorizations without the plain pass in between.
+        alone = {"plain": [], "numpy": [], **{key: [] for key in Xds}}
+        for _ in range(args.repeats):
+            alone["plain"].append(plain_alone(timer, s))
+            stamps = Stamps()
+            numpy_fit(stamps)
+            alone["numpy"].append(stamps.ms())
+            for key in Xds:
+                stamps = Stamps()
+                dask_fit(stamps, *key)
+                alone[key].append(stamps.ms())
+        med = {key: float(np.median(v)) for key, v in alone.items()}
+        print(f"without the plain pass in between (medians of {args.repeats} runs in turns): "
+              f"plain pass {med['plain']:.2f} ms, numpy {med['numpy']:.2f} ms/iteration, "
+              f"ratio {med['numpy'] / med['plain']:.2f}")
+        for name, nch in Xds:
+            print(f"  dask, 2 {name} x 1 thread ({nch} chunks): {med[name, nch]:.2f} ms/iteration, "
+                  f"ratio dask / numpy = {med[name, nch] / med['numpy']:.2f}")
         nch = args.chunks[0]
         whole = {"numpy": [], **{name: [] for name in clusters}}
         for _ in range(args.repeats):  # interleaved: a slow phase hits all alike
