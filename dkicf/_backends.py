@@ -783,41 +783,66 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[in
     return chunks
 
 
+def usable_memory_fraction() -> float:
+    """Fraction of a worker's memory limit that chunk states may fill.
+
+    The smallest of dask's worker memory thresholds that are set (``target``
+    and ``spill``, at which a worker spills data to disk, ``pause`` and
+    ``terminate``; 0.6 by default).  Consecutive states of a chunk share
+    their buffers, so spilling one frees nothing: it only pickles P to disk,
+    seconds per pass, and a worker that passes ``pause`` stops running tasks.
+    """
+    import dask
+
+    fractions = []
+    for name in ("target", "spill", "pause", "terminate"):
+        value = dask.config.get(f"distributed.worker.memory.{name}", None)
+        if value is not None and value is not False:
+            fractions.append(float(value))
+    return min(fractions, default=1.0)
+
+
 def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool):
     """Refuse, before any work, a row chunk that cannot fit in a worker's memory.
 
     A task holds the chunk of X (as given and in float64), the chunk's state
     (its rows of P, or only a one-block tail with ``store``), a few vectors,
-    and with ``store`` the group of flushed columns it streams.  A P that
-    cannot fit in the whole cluster's memory is refused too, with the
-    suggestion to keep it in Zarr.
+    and with ``store`` the group of flushed columns it streams; all of it
+    must fit below the :func:`usable_memory_fraction` of the smallest
+    worker's limit.  A P that cannot fit in that fraction of the whole
+    cluster's memory is refused too, with the suggestion to keep it in Zarr.
     """
     limits, _ = _worker_resources(client)
     limits = [m for m in limits if m > 0]
     if not limits:
         return
+    fraction = usable_memory_fraction()
+    threshold = f"{fraction:.0%} of" if fraction < 1 else "all of"
     rows = max(chunks)
     width = capacity if store is None else store.columns
     per_row = 8 * d + np.dtype(dtype).itemsize * d + 8 * width + 8 * 6
     need = rows * per_row + (_chunk._STREAM_BYTES if store is not None else 0)
     smallest = min(limits)
-    if need > smallest:
+    where = (", at which dask starts spilling to disk or pausing the worker"
+             if fraction < 1 else "")
+    if need > fraction * smallest:
         j = int(np.argmax(chunks))
-        fit = max(1, int(0.5 * (smallest - (need - rows * per_row)) // per_row))
+        fit = max(1, int(0.5 * (fraction * smallest - (need - rows * per_row)) // per_row))
         raise ValueError(
             f"row chunk {j} of X ({rows} rows) needs about {_gib(need)} in one task "
-            f"(X rows in float64 plus {width} columns of P), more than the smallest "
-            f"worker's memory limit of {_gib(smallest)}. Use X.rechunk({{0: {fit}}}) "
-            "or larger workers."
+            f"(X rows in float64 plus {width} columns of P), more than {threshold} the "
+            f"smallest worker's memory limit of {_gib(smallest)}{where}. Use "
+            f"X.rechunk({{0: {fit}}}) or larger workers."
         )
     n = int(sum(chunks))
     if store is None:
         total = n * (8 * capacity + 8 * 3) + (n * d * np.dtype(dtype).itemsize if persist else 0)
-        if total > sum(limits):
+        if total > fraction * sum(limits):
             raise ValueError(
                 f"P ({n} x {capacity} float64) and the data held in worker memory need about "
-                f"{_gib(total)}, more than the cluster's {_gib(sum(limits))}. Pass "
-                "p_store='path-or-url.zarr' to keep P in Zarr (and persist=False to re-read X)."
+                f"{_gib(total)}, more than {threshold} the cluster's {_gib(sum(limits))}{where}. "
+                "Pass p_store='path-or-url.zarr' to keep P in Zarr (and persist=False to "
+                "re-read X), or add workers or memory."
             )
 
 

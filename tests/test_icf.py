@@ -428,3 +428,27 @@ def test_consecutive_states_weigh_their_distinct_buffers(rng):
         held = sum(buffers.values())
         assert held == a.P.nbytes + 2 * a.e.nbytes + a.aux.nbytes  # P once, two residuals
         assert abs(sizeof(a) + sizeof(b) - held) < 0.01 * held
+
+
+def test_states_must_fit_below_dask_spilling_threshold(client):
+    """A chunk whose state would cross the fraction of memory at which dask
+    spills (pickling P to disk on every pass, since the states share it) or
+    pauses the worker is refused before any work, naming the threshold."""
+    import dask
+
+    from dkicf._backends import check_worker_memory, usable_memory_fraction
+
+    assert usable_memory_fraction() == 0.6  # dask's default target
+    # 900,000 rows x 180 columns: 1.37 GB of a 2 GiB worker (64%).
+    args = ((900_000, 100_000), 2, np.float64, 180, None, False)
+    with pytest.raises(ValueError, match=r"row chunk 0 .*more than 60% of the smallest "
+                       r"worker's memory limit of 2.00 GiB, at which dask starts spilling"):
+        check_worker_memory(client, *args)
+    with dask.config.set({"distributed.worker.memory.target": False,
+                          "distributed.worker.memory.spill": 0.85,
+                          "distributed.worker.memory.pause": False}):
+        assert usable_memory_fraction() == 0.85
+        check_worker_memory(client, *args)
+    # P over the whole cluster: the advice is to keep it in Zarr.
+    with pytest.raises(ValueError, match=r"more than 60% of the cluster's 4.00 GiB.*p_store="):
+        check_worker_memory(client, (250_000,) * 4, 2, np.float64, 350, None, False)
