@@ -788,9 +788,11 @@ def usable_memory_fraction() -> float:
 
     The smallest of dask's worker memory thresholds that are set (``target``
     and ``spill``, at which a worker spills data to disk, ``pause`` and
-    ``terminate``; 0.6 by default).  Consecutive states of a chunk share
-    their buffers, so spilling one frees nothing: it only pickles P to disk,
-    seconds per pass, and a worker that passes ``pause`` stops running tasks.
+    ``terminate``; 0.6 by default), as configured in the driver's process
+    (the workers of a cluster started elsewhere may be configured otherwise).
+    Consecutive states of a chunk share their buffers, so spilling one frees
+    nothing: it only pickles P to disk, seconds per pass, and a worker that
+    passes ``pause`` stops running tasks.
     """
     import dask
 
