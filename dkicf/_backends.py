@@ -804,6 +804,12 @@ def usable_memory_fraction() -> float:
     return min(fractions, default=1.0)
 
 
+def held_bytes(n: int, d: int, itemsize: int, capacity: int, persist: bool) -> int:
+    """Bytes that the chunk states of ``n`` rows (P in memory at ``capacity``
+    columns and their vectors) and, with ``persist``, X hold in worker memory."""
+    return n * (8 * capacity + 8 * 3) + (n * d * itemsize if persist else 0)
+
+
 def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool):
     """Refuse, before any work, a row chunk that cannot fit in a worker's memory.
 
@@ -838,7 +844,7 @@ def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, per
         )
     n = int(sum(chunks))
     if store is None:
-        total = n * (8 * capacity + 8 * 3) + (n * d * np.dtype(dtype).itemsize if persist else 0)
+        total = held_bytes(n, d, np.dtype(dtype).itemsize, capacity, persist)
         if total > fraction * sum(limits):
             raise ValueError(
                 f"P ({n} x {capacity} float64) and the data held in worker memory need about "

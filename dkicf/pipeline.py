@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ._backends import held_bytes, usable_memory_fraction
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["FitPlan", "plan_fit", "fit_store", "predict_store", "describe"]
@@ -92,8 +94,11 @@ def plan_fit(
     task = _task_bytes(chunk_rows, d, itemsize, s)
     rechunked = False
     cluster_memory = worker_memory * n_workers if worker_memory else None
+    # Never above the fraction at which the fit itself refuses to start (see
+    # check_worker_memory): dask's spill and pause thresholds, as configured.
+    usable = usable_memory_fraction()
     if worker_memory:
-        budget = _TASK_FRACTION * worker_memory / max(threads_per_worker, 1)
+        budget = min(_TASK_FRACTION, usable) * worker_memory / max(threads_per_worker, 1)
         if task > budget:
             per_row = _task_bytes(1, d, itemsize, s) - 8 * s * (s + d)
             rows = int((budget - 8 * s * (s + d)) // max(per_row, 1))
@@ -107,14 +112,13 @@ def plan_fit(
                 )
             chunk_rows, rechunked = rows, True
             task = _task_bytes(chunk_rows, d, itemsize, s)
+    hold = None if cluster_memory is None else min(_HOLD_FRACTION, usable) * cluster_memory
     if persist == "auto":
-        persist_x = cluster_memory is not None and (
-            x_bytes + p_bytes < _HOLD_FRACTION * cluster_memory
-        )
+        persist_x = hold is not None and held_bytes(n, d, itemsize, s, True) < hold
     else:
         persist_x = persist == "yes"
     if p_storage == "auto":
-        fits = cluster_memory is None or p_bytes < _HOLD_FRACTION * cluster_memory
+        fits = hold is None or held_bytes(n, d, itemsize, s, False) < hold
         p_storage = "memory" if fits else "zarr"
     return FitPlan(
         n_samples=n, n_features=d, rank=s, chunk_rows=int(chunk_rows),

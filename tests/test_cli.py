@@ -193,3 +193,35 @@ def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
     assert not report["x_in_memory"]
     assert report["accuracy"] > 0.99
     assert max(peaks.values()) < 0.95 * limit, peaks
+
+
+def test_the_plan_never_holds_what_the_fit_would_refuse():
+    """plan_fit keeps P in memory only where check_worker_memory lets the fit
+    start: P and its vectors below dask's spill threshold, as configured."""
+    import dask
+
+    from dkicf._backends import check_worker_memory
+    from dkicf.pipeline import plan_fit
+
+    class Cluster:  # what check_worker_memory asks of a client
+        def __init__(self, limit, n):
+            self.workers = {f"w{k}": {"memory_limit": limit, "nthreads": 1} for k in range(n)}
+
+        def scheduler_info(self, n_workers=-1):
+            return {"workers": self.workers}
+
+    limit, n_workers, d, s = 2**30, 2, 8, 50
+    for spill in (0.7, 0.45):
+        with dask.config.set({"distributed.worker.memory.spill": spill}):
+            for n in np.linspace(2e5, 5e6, 60).astype(int):
+                plan = plan_fit((int(n), d), 16384, 4, s, worker_memory=limit,
+                                n_workers=n_workers)
+                if plan.p_storage == "memory":
+                    chunks = (plan.chunk_rows,) * (int(n) // plan.chunk_rows)
+                    chunks += (int(n) - sum(chunks),) if int(n) % plan.chunk_rows else ()
+                    check_worker_memory(Cluster(limit, n_workers), chunks, d, np.float32, s,
+                                        None, plan.persist_x)
+    # P alone just under 60% of the cluster, its vectors over: kept in Zarr.
+    n = int(0.59 * n_workers * limit / (8 * s))
+    assert plan_fit((n, d), 16384, 4, s, worker_memory=limit,
+                    n_workers=n_workers).p_storage == "zarr"
