@@ -117,9 +117,17 @@ def plan_fit(
         persist_x = hold is not None and held_bytes(n, d, itemsize, s, True) < hold
     else:
         persist_x = persist == "yes"
+    fits = hold is None or held_bytes(n, d, itemsize, s, False) < hold
     if p_storage == "auto":
-        fits = hold is None or held_bytes(n, d, itemsize, s, False) < hold
         p_storage = "memory" if fits else "zarr"
+    elif p_storage == "memory" and not fits:
+        raise MemoryError(
+            f"P ({n} x {s} float64, {held_bytes(n, d, itemsize, s, False) / 2**30:.2f} GiB with "
+            f"its vectors) does not fit below {min(_HOLD_FRACTION, usable):.0%} of the "
+            f"cluster's {cluster_memory / 2**30:.2f} GiB, where dask starts spilling to disk: "
+            "keep it in Zarr (p_storage='zarr', --p-storage zarr or auto), or add workers "
+            "or memory."
+        )
     return FitPlan(
         n_samples=n, n_features=d, rank=s, chunk_rows=int(chunk_rows),
         n_chunks=math.ceil(n / chunk_rows), x_bytes=x_bytes, p_bytes=p_bytes, task_bytes=task,

@@ -225,3 +225,15 @@ def test_the_plan_never_holds_what_the_fit_would_refuse():
     n = int(0.59 * n_workers * limit / (8 * s))
     assert plan_fit((n, d), 16384, 4, s, worker_memory=limit,
                     n_workers=n_workers).p_storage == "zarr"
+
+
+def test_p_forced_into_memory_that_cannot_hold_it_is_refused_by_the_plan():
+    from dkicf.pipeline import plan_fit
+
+    with pytest.raises(MemoryError, match=r"does not fit below 60% of the cluster's 2.00 GiB"
+                       r".*--p-storage zarr"):
+        plan_fit((10**7, 8), 16384, 4, 50, worker_memory=2**30, n_workers=2,
+                 p_storage="memory")
+    plan = plan_fit((10**5, 8), 16384, 4, 50, worker_memory=2**30, n_workers=2,
+                    p_storage="memory")
+    assert plan.p_storage == "memory"
