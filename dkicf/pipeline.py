@@ -97,6 +97,7 @@ def plan_fit(
     # Never above the fraction at which the fit itself refuses to start (see
     # check_worker_memory): dask's spill and pause thresholds, as configured.
     usable = usable_memory_fraction()
+    hold_fraction = min(_HOLD_FRACTION, usable)
     if worker_memory:
         budget = min(_TASK_FRACTION, usable) * worker_memory / max(threads_per_worker, 1)
         if task > budget:
@@ -112,7 +113,7 @@ def plan_fit(
                 )
             chunk_rows, rechunked = rows, True
             task = _task_bytes(chunk_rows, d, itemsize, s)
-    hold = None if cluster_memory is None else min(_HOLD_FRACTION, usable) * cluster_memory
+    hold = None if cluster_memory is None else hold_fraction * cluster_memory
     if persist == "auto":
         persist_x = hold is not None and held_bytes(n, d, itemsize, s, True) < hold
     else:
@@ -123,7 +124,7 @@ def plan_fit(
     elif p_storage == "memory" and not fits:
         raise MemoryError(
             f"P ({n} x {s} float64, {held_bytes(n, d, itemsize, s, False) / 2**30:.2f} GiB with "
-            f"its vectors) does not fit below {min(_HOLD_FRACTION, usable):.0%} of the "
+            f"its vectors) does not fit below {hold_fraction:.0%} of the "
             f"cluster's {cluster_memory / 2**30:.2f} GiB, where dask starts spilling to disk: "
             "keep it in Zarr (p_storage='zarr', --p-storage zarr or auto), or add workers "
             "or memory."
