@@ -500,6 +500,10 @@ def _score(row: dict, y: np.ndarray, labels: np.ndarray) -> dict:
 # --------------------------------------------------------------------------- driver
 
 
+# What run_paper draws (each only when its experiment ran).
+_FIGURES = ("trace_error.png", "synthetic.png", "accuracy.png", "time.png", "time_small.png")
+
+
 def run_paper(
     datasets: Sequence[str] = DEFAULT_DATASETS,
     sizes: Sequence[int] = DEFAULT_SIZES,
@@ -519,6 +523,7 @@ def run_paper(
     dataset_repeats: Mapping[str, int] | None = None,
     method_repeats: Mapping[str, int] | None = None,
     resume: bool = False,
+    overwrite: bool = False,
 ) -> list[dict]:
     """Run every method over the paper's grid and write the tables and figures.
 
@@ -538,7 +543,9 @@ def run_paper(
     repeats : int
         Runs per (dataset, method, size), with seeds derived from ``seed``.
     out_dir : str or path
-        Folder for the outputs (created if needed; files in it are replaced).
+        Folder for the outputs (created if needed).  One that holds an
+        earlier run's ``results.csv`` is refused unless ``resume`` or
+        ``overwrite`` is given.
     data_home : str or path, optional
         Folder holding the ``<name>.npz`` files (see :func:`load_dataset`).
     methods : sequence of str, optional
@@ -579,6 +586,9 @@ def run_paper(
         for.  The old rows must come from the same ``seed`` and data (checked:
         ``n``, ``gamma`` and every repeat's seed); ``n_init`` and ``max_iter``
         are not stored, so keep them too.
+    overwrite : bool, default=False
+        Replace the results of an earlier run in ``out_dir`` (its figures
+        that this run does not draw are removed at the end).
 
     Returns
     -------
@@ -598,6 +608,9 @@ def run_paper(
         size larger than a dataset's ``n`` (the message gives both), a
         non-positive count, or with ``resume``, a results.csv from other
         settings or a damaged one.
+    FileExistsError
+        ``out_dir`` holds an earlier run's results and neither ``resume`` nor
+        ``overwrite`` is given.
 
     Examples
     --------
@@ -645,7 +658,17 @@ def run_paper(
         return data.n <= max_exact_n
 
     out = Path(out_dir)
+    if (out / "results.csv").exists() and not (resume or overwrite):
+        raise FileExistsError(
+            f"{out} holds the results of an earlier run ({out / 'results.csv'}); pass "
+            "resume=True (dkicf bench paper: --resume) to continue it, overwrite=True "
+            "(--overwrite) to replace it, or choose another out_dir (--out-dir)."
+        )
+    if resume and overwrite:
+        raise ValueError("resume=True keeps the earlier results and overwrite=True replaces "
+                         "them: pass one of the two.")
     out.mkdir(parents=True, exist_ok=True)
+    stale = [out / name for name in _FIGURES if (out / name).exists()] if overwrite else []
     previous: list[dict] = []
     old_traces: dict[str, _Trace] = {}
     if resume and (out / "results.csv").exists():
@@ -774,6 +797,8 @@ def run_paper(
         "refreshed": refreshed,
     }
     _write_markdown(out / "results.md", rows, traces, settings)
+    for path in stale:  # the earlier run's figures: this run draws its own
+        path.unlink(missing_ok=True)
     _figures(out, rows, traces, loaded, datasets, synthetic_fits)
     return rows
 
@@ -1280,6 +1305,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in OUT_DIR/results.csv and do only the missing "
                         "ones (same seed and data; checked)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in OUT_DIR")
+    p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="no progress bar")
     return bench
 
 
@@ -1294,7 +1323,7 @@ def run_cli(args: argparse.Namespace) -> int:
         seed=args.seed, trace_datasets=args.trace_datasets, trace_rank=args.trace_rank,
         synthetic=args.synthetic, n_init=args.n_init, max_iter=args.max_iter,
         dataset_repeats=dict(args.dataset_repeats), method_repeats=dict(args.method_repeats),
-        resume=args.resume,
+        resume=args.resume, overwrite=args.overwrite,
     )
     out = Path(args.out_dir)
     print(f"{len(rows)} runs; wrote {out / 'results.csv'}, {out / 'results.md'} and the "

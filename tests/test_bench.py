@@ -213,6 +213,30 @@ def test_resume_drops_a_row_cut_short_by_an_interrupted_write(tmp_path):
     assert path.read_text().count("\n") == 3
 
 
+def test_an_earlier_run_is_kept_unless_resume_or_overwrite(tmp_path):
+    _quick(tmp_path, repeats=1, methods=["nystrom"])
+    before = (tmp_path / "results.csv").read_bytes()
+    assert (tmp_path / "trace_error.png").exists()
+    with pytest.raises(FileExistsError, match="--resume.*--overwrite"):
+        _quick(tmp_path, repeats=1, methods=["icf"])
+    assert (tmp_path / "results.csv").read_bytes() == before
+    with pytest.raises(ValueError, match="one of the two"):
+        _quick(tmp_path, repeats=1, methods=["icf"], resume=True, overwrite=True)
+    rows = _quick(tmp_path, repeats=1, methods=["icf"], trace_datasets=None, overwrite=True)
+    with open(tmp_path / "results.csv", newline="") as f:
+        assert {r["method"] for r in csv.DictReader(f)} == {"icf"} == {r["method"] for r in rows}
+    # The earlier run's trace figure is not left beside results it does not belong to.
+    assert not (tmp_path / "trace_error.png").exists() and (tmp_path / "accuracy.png").exists()
+
+
+def test_cli_accepts_quiet_and_overwrite_after_paper(tmp_path):
+    from dkicf.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "paper", "--out-dir", str(tmp_path), "--quiet", "--overwrite"])
+    assert args.quiet and args.overwrite and not args.resume
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(seed=1), "has seed"),
     (dict(datasets=["ring:100"], trace_datasets=[]), None),  # another token: nothing to check
