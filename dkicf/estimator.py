@@ -9,6 +9,7 @@ import numpy as np
 from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from ._chunk import check_finite
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from .icf import ICFResult, _transform_block, incomplete_cholesky
 from .kernels import Kernel, make_kernel
@@ -221,7 +222,9 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             X = check_array_2d(X, "X")
             self.n_features_in_ = X.shape[1]
         else:
-            X = validate_data(self, X, dtype=[np.float64, np.float32], ensure_min_samples=1)
+            # NaN and infinity are refused by check_array_2d, which names the first bad row.
+            X = validate_data(self, X, dtype=[np.float64, np.float32], ensure_min_samples=1,
+                              ensure_all_finite=False)
             X = check_array_2d(X, "X")
         self._check_params(X.shape[0])
         icf_seed, km_seed = self._seeds()
@@ -270,6 +273,12 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     # --------------------------------------------------------------- prediction
 
     def _check_X_predict(self, X):
+        """Validated X for predict, transform and score.
+
+        Numpy input is checked for NaN and infinity here; a dask array is
+        checked chunk by chunk inside the tasks that use it (see
+        :func:`_checked_features`), so X is never gathered.
+        """
         check_is_fitted(self, "cluster_centers_")
         if is_dask_array(X):
             X = check_array_2d(X, "X")
@@ -279,7 +288,8 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                     f"{self.n_features_in_} features as input."
                 )
             return X
-        X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False)
+        X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False,
+                          ensure_all_finite=False)
         return check_array_2d(X, "X")
 
     def _features(self, x):
@@ -299,11 +309,21 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         Returns
         -------
         ndarray or dask array of shape (n_samples, rank_)
+
+        Raises
+        ------
+        ValueError
+            If X contains NaN or infinity, naming X's first bad row (and, for a
+            dask array, its chunk: raised when that chunk is computed).
         """
-        X = self._check_X_predict(X)
+        return self._transform_checked(self._check_X_predict(X))
+
+    def _transform_checked(self, X):
+        """Features of an X from :meth:`_check_X_predict`; dask chunks are checked in tasks."""
         if is_dask_array(X):
             return X.map_blocks(
-                self._features, dtype=np.float64, chunks=(X.chunks[0], (self.rank_,))
+                _checked_features, self, dtype=np.float64, chunks=(X.chunks[0], (self.rank_,)),
+                meta=np.empty((0, 0), dtype=np.float64),
             )
         return self._features(X)
 
@@ -313,18 +333,24 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         Returns
         -------
         ndarray or dask array of shape (n_samples,)
+
+        Raises
+        ------
+        ValueError
+            If X contains NaN or infinity, naming X's first bad row (and, for a
+            dask array, its chunk: raised when that chunk is computed).
         """
         X = self._check_X_predict(X)
         if is_dask_array(X):
             return X.map_blocks(
-                _predict_block, self, dtype=np.int64, drop_axis=1, chunks=(X.chunks[0],)
+                _checked_predict, self, dtype=np.int64, drop_axis=1, chunks=(X.chunks[0],),
+                meta=np.empty((0,), dtype=np.int64),
             )
         return _predict_block(X, self)
 
     def score(self, X, y=None):
         """Opposite of the inertia of X's features with respect to the centres."""
-        X = self._check_X_predict(X)
-        P = self.transform(X)
+        P = self._transform_checked(self._check_X_predict(X))
         _, inertia = assign(P, self.cluster_centers_)
         return -float(inertia)
 
@@ -402,6 +428,31 @@ def _predict_block(x, model: KernelKMeans):
     P = model._features(x)
     labels, _ = assign(P, model.cluster_centers_)
     return np.asarray(labels, dtype=np.int64)
+
+
+def _check_chunk(x, block_info) -> None:
+    """Refuse NaN or infinity in one row chunk of a dask X, naming its global row and chunk.
+
+    ``block_info`` is what :meth:`dask.array.Array.map_blocks` passes: the
+    chunk's place in X (absent when dask calls the function outside a task).
+    """
+    info = (block_info or {}).get(0)
+    if info is None:
+        check_finite(x)
+        return
+    check_finite(x, int(info["array-location"][0][0]), int(info["chunk-location"][0]))
+
+
+def _checked_features(x, model: KernelKMeans, block_info=None):
+    """One chunk of :meth:`KernelKMeans.transform` on a dask X, checked first."""
+    _check_chunk(x, block_info)
+    return model._features(x)
+
+
+def _checked_predict(x, model: KernelKMeans, block_info=None):
+    """One chunk of :meth:`KernelKMeans.predict` on a dask X, checked first."""
+    _check_chunk(x, block_info)
+    return _predict_block(x, model)
 
 
 def _is_json(v) -> bool:

@@ -382,6 +382,12 @@ def median_gamma(
     -------
     gamma : float
 
+    Raises
+    ------
+    ValueError
+        If the sample holds NaN or infinity, has fewer than 2 rows, or all its
+        sampled pairs are identical.
+
     Examples
     --------
     >>> import numpy as np
@@ -391,6 +397,12 @@ def median_gamma(
     True
     """
     X_sample = np.asarray(X_sample, dtype=np.float64)
+    if not np.isfinite(X_sample).all():
+        raise ValueError(
+            "X contains NaN or infinity (in the rows sampled for gamma='median'), so no "
+            "kernel width can be inferred. Remove or impute those rows before clustering; "
+            "with gamma given as a number, the first pass over X names the first bad row."
+        )
     m = X_sample.shape[0]
     if m < 2:
         raise ValueError(

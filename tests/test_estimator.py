@@ -174,3 +174,52 @@ def test_predict_checks_fitted_state_and_features(rng):
     model = KernelKMeans(n_clusters=2, gamma=0.5, rank=10, random_state=0).fit(X)
     with pytest.raises(ValueError, match="X has 2 features, but KernelKMeans is expecting 3"):
         model.predict(X[:, :2])
+
+
+def _with_bad_value(X, row, value):
+    bad = X.copy()
+    bad[row, 1] = value
+    return bad
+
+
+@pytest.mark.parametrize("method", ["fit", "predict", "transform"])
+def test_non_finite_numpy_X_names_X_and_its_first_bad_row(method, rng):
+    X = rng.normal(size=(60, 3))
+    bad = _with_bad_value(_with_bad_value(X, 10, np.nan), 40, np.inf)
+    model = KernelKMeans(n_clusters=2, gamma=0.5, rank=10, random_state=0)
+    if method != "fit":
+        model.fit(X)
+    with pytest.raises(ValueError, match=r"^X contains NaN or infinity: first at row 10\.") as exc:
+        getattr(model, method)(bad)
+    # The same message as the factorization on its own, not scikit-learn's generic one.
+    with pytest.raises(ValueError) as ref:
+        incomplete_cholesky(bad, gamma=0.5, max_rank=10)
+    assert str(exc.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("value", [np.nan, -np.inf])
+@pytest.mark.parametrize("chunks, chunk", [(250, 3), (((700, 300), (3,)), 1)])
+@pytest.mark.parametrize("method", ["predict", "transform", "score"])
+def test_non_finite_dask_X_names_the_global_row_and_chunk_of_X(client, method, chunks, chunk,
+                                                               value, rng):
+    X = rng.normal(size=(1000, 3))
+    model = KernelKMeans(n_clusters=3, gamma=0.5, rank=20, random_state=0).fit(X)
+    Xd = da.from_array(_with_bad_value(X, 777, value), chunks=chunks)
+    expected = rf"^X contains NaN or infinity: first at row 777 \(chunk {chunk}\)\."
+    with pytest.raises(ValueError, match=expected):
+        out = getattr(model, method)(Xd)
+        if method != "score":
+            out.compute()
+    # Clean dask input with the same chunks gives numpy's results.
+    Xd = da.from_array(X, chunks=chunks)
+    np.testing.assert_array_equal(model.predict(Xd).compute(), model.predict(X))
+    np.testing.assert_allclose(model.transform(Xd).compute(), model.transform(X), atol=1e-12)
+
+
+def test_median_gamma_on_non_finite_dask_X_names_X_not_gamma(client, rng):
+    X = _with_bad_value(rng.normal(size=(1000, 3)), 777, np.nan)
+    model = KernelKMeans(n_clusters=3, rank=20, random_state=0)
+    with pytest.raises(ValueError, match=r"^X contains NaN or infinity \(in the rows sampled "
+                                         r"for gamma='median'\)") as exc:
+        model.fit(da.from_array(X, chunks=250))
+    assert "gamma must be" not in str(exc.value)
