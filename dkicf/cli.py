@@ -100,6 +100,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2^32 - 1, got {value}")
+    return value
+
+
 def _gamma(text: str):
     if text == "median":
         return "median"
@@ -158,46 +168,67 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = add_parser
 
     p = sub.add_parser("convert", help="convert .npy/.npz/.csv/svmlight/Parquet to Zarr")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--chunk-rows", type=_positive_int)
-    p.add_argument("--label-column", help="name or index of the label column (csv, Parquet)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("src", help="the file to convert (.npy, .npz, .csv, .svm/.txt svmlight, "
+                               ".parquet)")
+    p.add_argument("dst", help="the Zarr group to write (path or fsspec URL)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="dtype of X in the store (default: float32, half the memory; "
+                        "float64 keeps float64 input exact)")
+    p.add_argument("--chunk-rows", type=_positive_int,
+                   help="rows per chunk (default: chunks of about 16 MiB)")
+    p.add_argument("--label-column",
+                   help="label column (csv, Parquet): its name in the header, else a 0-based "
+                        "index (-1: the last column)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing Zarr store at DST (only when the new one is complete)")
     _add_storage(p)
 
     p = sub.add_parser("generate", help="write a synthetic dataset to Zarr, chunk by chunk")
-    p.add_argument("kind", choices=["ring", "parabolic", "zigzag", "blobs", "spheres"])
-    p.add_argument("dst")
+    p.add_argument("kind", choices=["ring", "parabolic", "zigzag", "blobs", "spheres"],
+                   help="the paper's 2-D sets (ring, parabolic, zigzag) or Gaussian blobs / "
+                        "concentric spheres in any dimension")
+    p.add_argument("dst", help="the Zarr group to write (path or fsspec URL)")
     p.add_argument("--n", type=_positive_int, required=True, help="number of points")
     p.add_argument("--features", type=_positive_int, help="dimensions (blobs, spheres)")
     p.add_argument("--classes", type=_positive_int, help="clusters (blobs, spheres)")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float64")
-    p.add_argument("--chunk-rows", type=_positive_int)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float64",
+                   help="dtype of X (default: float64)")
+    p.add_argument("--chunk-rows", type=_positive_int,
+                   help="rows per chunk (default: chunks of about 16 MiB)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing Zarr store at DST (only when the new one is complete)")
     _add_storage(p)
 
     p = sub.add_parser("fit", help="cluster a Zarr dataset and write the model and labels")
     p.add_argument("store", help="Zarr dataset (group with X, or an array)")
     p.add_argument("--clusters", type=_positive_int, required=True, help="number of clusters k")
     p.add_argument("--kernel", default="gaussian",
-                   choices=["gaussian", "rbf", "laplacian", "polynomial", "linear"])
+                   choices=["gaussian", "rbf", "laplacian", "polynomial", "linear"],
+                   help="kernel (default: gaussian, exp(-gamma*|x-y|^2))")
     p.add_argument("--gamma", type=_gamma_arg, default="median",
                    help="kernel width (number, 2^e, or 'median'; default: median)")
-    p.add_argument("--degree", type=_positive_int, default=3)
-    p.add_argument("--coef0", type=float, default=1.0)
+    p.add_argument("--degree", type=_positive_int, default=3,
+                   help="degree of the polynomial kernel (default: 3)")
+    p.add_argument("--coef0", type=float, default=1.0,
+                   help="constant term of the polynomial kernel (default: 1.0)")
     p.add_argument("--rank", type=_positive_int, default=100, help="rank s (default: 100)")
     p.add_argument("--tol", type=float, default=1e-3, help="trace-error tolerance (default: 1e-3)")
     p.add_argument("--pivoting", choices=["greedy", "block-greedy", "rpcholesky"],
                    default="block-greedy",
                    help="pivot rule of the factorization (default: block-greedy, the paper's "
                         "greedy pivots several per pass over X)")
-    p.add_argument("--algorithm", choices=["minibatch", "lloyd"], default="minibatch")
-    p.add_argument("--batch-size", type=_positive_int, default=1024)
-    p.add_argument("--n-init", type=_positive_int, default=3)
-    p.add_argument("--max-iter", type=_positive_int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--algorithm", choices=["minibatch", "lloyd"], default="minibatch",
+                   help="k-means on the rows of P: mini-batch or full-batch Lloyd "
+                        "(default: minibatch)")
+    p.add_argument("--batch-size", type=_positive_int, default=1024,
+                   help="rows per mini-batch step (default: 1024)")
+    p.add_argument("--n-init", type=_positive_int, default=3,
+                   help="k-means restarts; the lowest inertia wins (default: 3; more for "
+                        "clusters that one start can mix up)")
+    p.add_argument("--max-iter", type=_positive_int, default=100,
+                   help="mini-batch steps, or Lloyd iterations, per restart (default: 100)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     p.add_argument("--checkpoint", metavar="URL",
                    help="Zarr group to checkpoint the factorization and k-means in (resumable)")
     p.add_argument("--checkpoint-every", type=_positive_int, default=25,
@@ -214,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_storage(p)
 
     p = sub.add_parser("predict", help="assign the points of a Zarr dataset with a saved model")
-    p.add_argument("model")
-    p.add_argument("store")
+    p.add_argument("model", help="a model written by dkicf fit (its --out)")
+    p.add_argument("store", help="Zarr dataset to assign (group with X, or an array)")
     _add_output(p)
     _add_cluster(p)
     _add_storage(p)
@@ -233,10 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_storage(p)
 
     p = sub.add_parser("demo", help="generate the Ring at 1e6 points, cluster it, report")
-    p.add_argument("--n", type=_positive_int, default=1_000_000)
-    p.add_argument("--rank", type=_positive_int, default=50)
-    p.add_argument("--workdir", default="dkicf-demo", help="folder for data, model and plot")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--n", type=_positive_int, default=1_000_000,
+                   help="points of the Ring (default: 1000000)")
+    p.add_argument("--rank", type=_positive_int, default=50, help="rank s (default: 50)")
+    p.add_argument("--workdir", default="dkicf-demo",
+                   help="folder for data, model and plots (default: dkicf-demo); the model and "
+                        "plots there are replaced on every run")
+    p.add_argument("--overwrite", action="store_true",
+                   help="generate the data again even if WORKDIR holds it")
     _add_cluster(p)
 
     from . import bench
@@ -361,6 +396,7 @@ def _cluster(args):
 def _cmd_convert(args) -> int:
     from . import io
 
+    io.check_not_input(args.dst, {"the source": args.src})
     info = io.convert(
         args.src, args.dst, dtype=args.dtype, chunk_rows=args.chunk_rows,
         overwrite=args.overwrite, label_column=args.label_column,
@@ -418,6 +454,9 @@ def _cmd_fit(args) -> int:
     )
     from . import io
 
+    if args.resume and not args.checkpoint:
+        raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
+    io.check_not_input(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint})
     io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
     with _cluster(args) as client:
         try:
@@ -447,6 +486,7 @@ def _cmd_predict(args) -> int:
     storage_options = _storage_options(args.storage_option, args.storage_options_file)
     from . import io
 
+    io.check_not_input(args.out, {"the model": args.model, "the dataset": args.store})
     io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
     with _cluster(args) as client:
         report = predict_store(args.model, args.store, args.out, client=client,
@@ -483,9 +523,12 @@ def _cmd_demo(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     data, model = work / "ring.zarr", work / "model.zarr"
     t0 = time.perf_counter()
-    if data.exists() and not args.overwrite:
+    rows = _rows_of(data) if data.exists() and not args.overwrite else None
+    if rows == args.n:
         print(f"using existing {data}")
     else:
+        if rows is not None:
+            print(f"regenerating {data}: it holds {rows} points, not --n {args.n}")
         io.generate("ring", str(data), args.n, random_state=0, overwrite=True)
     t_gen = time.perf_counter() - t0
     progress = _Progress(args.quiet)
@@ -503,6 +546,16 @@ def _cmd_demo(args) -> int:
     for p in paths:
         print(f"wrote {p}")
     return 0
+
+
+def _rows_of(data: Path) -> int | None:
+    """Rows of the demo's dataset, or None when it cannot be read."""
+    from . import io
+
+    try:
+        return int(io.open_dataset(str(data))[0].shape[0])
+    except Exception:  # noqa: BLE001 - unreadable: the demo writes a new one
+        return None
 
 
 def _cmd_bench(args) -> int:
@@ -523,10 +576,39 @@ _COMMANDS = {
 }
 
 
+# Hints in the library's messages spelled as the Python API; the command's own flags here.
+_CLI_SPELLING = (
+    ("Pass resume=True to continue it, overwrite=True to replace it, or choose another location.",
+     "Pass --resume to continue it; to start afresh, delete it or choose another --checkpoint."),
+    ("(or overwrite=True with resume=False)", "(or delete this one)"),
+    ("call again with resume=True (dkicf fit: --resume)", "run again with --resume"),
+    ("Pass checkpoint= (dkicf fit: --checkpoint DIR) and resume=True after a failure "
+     "(--resume) to be able to resume.",
+     "Pass --checkpoint DIR, and --resume after a failure, to be able to resume."),
+    ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
+    ("even with overwrite=True", "even with --overwrite"),
+    ("convert the file first with dkicf.io.convert", "convert the file first with dkicf convert"),
+)
+
+
+def _cli_message(exc: BaseException) -> str:
+    """The error's message, its hints spelled as this command's flags."""
+    text = str(exc)
+    for python, flags in _CLI_SPELLING:
+        text = text.replace(python, flags)
+    return text
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch system's walltime, ``kill``): unwinds like Ctrl-C, cleaning up."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dkicf`` command."""
-    from .errors import DkicfError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.debug:
@@ -539,8 +621,29 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    import signal
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # Staged outputs and temporary folders are removed on the way out, as for Ctrl-C.
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
+    """Run the parsed command; errors become one line on stderr and an exit status."""
+    from .errors import DkicfError
+
     try:
         return _COMMANDS[args.command](args)
+    except _Terminated:
+        print("dkicf: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("dkicf: interrupted", file=sys.stderr)
         return 130
@@ -548,17 +651,17 @@ def main(argv: list[str] | None = None) -> int:
             PermissionError, ConnectionError, ImportError, MemoryError) as exc:
         if args.debug:
             raise
-        print(f"dkicf {args.command}: error: {exc}", file=sys.stderr)
+        print(f"dkicf {args.command}: error: {_cli_message(exc)}", file=sys.stderr)
         return 2
     except DkicfError as exc:  # e.g. a task that kept killing its workers
         if args.debug:
             raise
-        print(f"dkicf {args.command}: error: {exc}", file=sys.stderr)
+        print(f"dkicf {args.command}: error: {_cli_message(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback
         if args.debug:
             raise
-        print(f"dkicf {args.command}: failed: {type(exc).__name__}: {exc} "
+        print(f"dkicf {args.command}: failed: {type(exc).__name__}: {_cli_message(exc)} "
               "(run with --debug for the traceback)", file=sys.stderr)
         return 1
 

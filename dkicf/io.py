@@ -46,6 +46,7 @@ import numbers
 import os
 import shutil
 import socket
+import time
 import uuid
 import zipfile
 from collections.abc import Callable, Iterator
@@ -68,6 +69,7 @@ __all__ = [
     "OutputExistsError",
     "absolute_location",
     "as_dask",
+    "check_not_input",
     "check_store_safe",
     "check_writable",
     "choose_row_chunk",
@@ -241,6 +243,35 @@ class _CheckedReads:
 class _CheckedLocalStore(_CheckedReads, LocalStore):
     def _where(self) -> str:
         return str(self.root)
+
+
+class _StagingStore(LocalStore):
+    """A local store that writes into an existing folder only, never recreating it.
+
+    A staged output is built in a temporary folder that is removed when the
+    run fails; a write task still running elsewhere at that moment (the
+    others' failure does not stop it) must not bring the folder back.
+    """
+
+    def _gone(self) -> FileNotFoundError:
+        return FileNotFoundError(
+            f"{self.root} is gone: the staged output it belonged to was abandoned."
+        )
+
+    async def _open(self, *, mode=None) -> None:
+        if not self.root.is_dir():
+            raise self._gone()
+        self._is_open = True
+
+    def _ensure_open_sync(self) -> None:
+        if not self.root.is_dir():
+            raise self._gone()
+        self._is_open = True
+
+    async def _set(self, key: str, value, exclusive: bool = False) -> None:
+        if not self.root.is_dir():
+            raise self._gone()
+        await super()._set(key, value, exclusive=exclusive)
 
 
 class _CheckedFsspecStore(_CheckedReads, FsspecStore):
@@ -764,6 +795,63 @@ def check_writable(url, *, overwrite: bool = False, storage_options: dict | None
             raise DkicfIOError(
                 f"{url} exists and is not a Zarr store; refusing to replace it even with "
                 "overwrite=True."
+            )
+
+
+def _relation(out: str, where: str) -> str | None:
+    """How location ``out`` relates to ``where``: "is", "is inside", "contains" or None."""
+    lo, lw = _local_path(out), _local_path(where)
+    if (lo is None) != (lw is None):
+        return None
+    if lo is not None:
+        po, pw = lo.resolve(), lw.resolve()  # symlinks and ".." too
+        if po == pw:
+            return "is"
+        return "is inside" if pw in po.parents else "contains" if po in pw.parents else None
+    to, tw = absolute_location(out).rstrip("/"), absolute_location(where).rstrip("/")
+    if to == tw:
+        return "is"
+    return ("is inside" if to.startswith(tw + "/")
+            else "contains" if tw.startswith(to + "/") else None)
+
+
+def check_not_input(out, inputs: dict) -> None:
+    """Refuse an output location that is, holds or lies inside one of the inputs.
+
+    Writing there would replace (or, with ``overwrite``, delete) data the run
+    still reads.
+
+    Parameters
+    ----------
+    out : str or path-like
+        The output location.
+    inputs : dict
+        What each input is called in the message (e.g. ``"the dataset"``)
+        mapped to its location; None locations are ignored.
+
+    Raises
+    ------
+    DkicfIOError
+        ``out`` is one of the inputs, inside one, or contains one.
+
+    Examples
+    --------
+    >>> check_not_input("model.zarr", {"the dataset": "data.zarr"})
+    >>> check_not_input("data.zarr/out", {"the dataset": "data.zarr"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    dkicf.io.DkicfIOError: the output data.zarr/out is inside the dataset data.zarr; ...
+    """
+    out = os.fspath(out)
+    for name, where in inputs.items():
+        if where is None:
+            continue
+        where = os.fspath(where)
+        relation = _relation(out, where)
+        if relation is not None:
+            raise DkicfIOError(
+                f"the output {out} {relation} {name} {where}; writing it would replace data "
+                "this run reads. Choose another output path."
             )
 
 
@@ -1322,6 +1410,19 @@ def _line_blocks(path: Path, rows: int, skip: int = 0):
         yield block
 
 
+def _name_or_index(label_column, names: list[str]):
+    """A label column given as text: a column name if there is one, else digits as an index.
+
+    The command line passes every value as text; ``"2"`` names the column
+    called "2" when the header has one, and the third column otherwise.
+    """
+    if isinstance(label_column, str) and label_column not in names:
+        text = label_column.strip()
+        if text.lstrip("-").isdigit():
+            return int(text)
+    return label_column
+
+
 def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
     first = next(_text_lines(path), None)
     if first is None:
@@ -1340,6 +1441,7 @@ def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
     width = len(fields)
     label_idx = None
     if label_column is not None:
+        label_column = _name_or_index(label_column, header or [])
         if isinstance(label_column, str):
             if header is None or label_column not in header:
                 have = ", ".join(header) if header else "no header row"
@@ -1479,6 +1581,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Sou
     names = list(schema.names)
     label = None
     if label_column is not None:
+        label_column = _name_or_index(label_column, names)
         if isinstance(label_column, str):
             if label_column not in names:
                 raise DkicfIOError(
@@ -1876,6 +1979,9 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
         _publish(tmp, local, url, overwrite=overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.lexists(tmp):  # a write that was under way: it cannot start another
+            time.sleep(0.5)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_members(
@@ -1922,7 +2028,10 @@ def write_dask(group_url, name: str, darr, *, storage_options: dict | None = Non
     if darr.ndim > 1:
         darr = darr.rechunk({i: -1 for i in range(1, darr.ndim)})
     chunks = (max(rows[0], 1),) + tuple(max(s, 1) for s in darr.shape[1:])
-    group = zarr.open_group(store=_store(group_url, storage_options, read_only=False), mode="a")
+    local = _local_path(group_url)
+    store = (_StagingStore(local) if local is not None and local.is_dir()
+             else _store(group_url, storage_options, read_only=False))
+    group = zarr.open_group(store=store, mode="a")
     arr = group.create_array(name, shape=darr.shape, chunks=chunks, dtype=darr.dtype,
                              overwrite=True)
     if darr.size:

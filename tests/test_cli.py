@@ -237,3 +237,84 @@ def test_p_forced_into_memory_that_cannot_hold_it_is_refused_by_the_plan():
     plan = plan_fit((10**5, 8), 16384, 4, 50, worker_memory=2**30, n_workers=2,
                     p_storage="memory")
     assert plan.p_storage == "memory"
+
+
+# ---------------------------------------------------------------- outputs that are inputs
+
+
+def _tree(path):
+    """Every file under ``path`` with its bytes: what must survive a refused command."""
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("make_args, victim", [
+    (lambda t: ("fit", t / "in.zarr", "--clusters", "2", "--out", t / "in.zarr"), "in.zarr"),
+    (lambda t: ("fit", t / "in.zarr", "--clusters", "2", "--out", t / "in.zarr" / "m"),
+     "in.zarr"),
+    (lambda t: ("fit", t / "in.zarr", "--clusters", "2", "--out", t), "in.zarr"),
+    (lambda t: ("fit", t / "in.zarr", "--clusters", "2", "--out", t / "in.zarr" / ".." /
+                "in.zarr"), "in.zarr"),
+    (lambda t: ("predict", t / "model.zarr", t / "in.zarr", "--out", t / "model.zarr"),
+     "model.zarr"),
+    (lambda t: ("predict", t / "model.zarr", t / "in.zarr", "--out", t / "in.zarr"), "in.zarr"),
+])
+def test_an_output_that_is_an_input_is_refused_even_with_overwrite(tmp_path, make_args, victim):
+    import zarr
+
+    for name in ("in.zarr", "model.zarr"):
+        g = zarr.open_group(str(tmp_path / name), mode="w")
+        g.create_array("X", data=np.arange(12.0).reshape(6, 2))
+    before = {name: _tree(tmp_path / name) for name in ("in.zarr", "model.zarr")}
+    proc = dkicf(*make_args(tmp_path), "--overwrite", *CLUSTER, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "would replace data this run reads" in proc.stderr and "Traceback" not in proc.stderr
+    assert victim in proc.stderr
+    for name, tree in before.items():
+        assert _tree(tmp_path / name) == tree
+
+
+def test_resume_without_checkpoint_is_refused(ring_store):
+    proc = dkicf("fit", "ring.zarr", "--clusters", "2", "--resume", "--out", "r.zarr",
+                 *CLUSTER, cwd=ring_store)
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "--checkpoint" in proc.stderr
+    assert not (ring_store / "r.zarr").exists()
+
+
+def test_hints_are_spelled_as_the_commands_flags(tmp_path):
+    import zarr
+
+    from dkicf import checkpoint, io
+    from dkicf.cli import _cli_message
+
+    url = str(tmp_path / "ck.zarr")
+    zarr.open_group(url, mode="w").attrs["dkicf"] = {"kind": checkpoint._CHECKPOINT}
+    with pytest.raises(FileExistsError) as info:
+        checkpoint._claim(url, checkpoint._CHECKPOINT, overwrite=False, resume=False,
+                          what="checkpoint")
+    assert "resume=True" in str(info.value)  # the Python API's spelling ...
+    text = _cli_message(info.value)  # ... and the command line's
+    assert "--resume" in text and "--checkpoint" in text and "=True" not in text
+    with pytest.raises(io.OutputExistsError) as info:
+        io.check_writable(url)
+    assert "pass --overwrite to replace it" in _cli_message(info.value)
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dkicf.cli", "--quiet", "generate", "blobs", "big.zarr",
+         "--n", "40000000", "--features", "8", "--chunk-rows", "100000"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".big.zarr.dkicf-tmp-*/X/c/*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no chunk written in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "terminated" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written left

@@ -656,3 +656,37 @@ def test_fingerprint_sees_first_and_last_chunk(tmp_path):
 
 def test_error_type():
     assert issubclass(DkicfIOError, ValueError) and issubclass(DkicfIOError, DkicfError)
+
+
+def test_label_column_given_as_text_names_a_column_else_counts(tmp_path):
+    from dkicf import io
+
+    (tmp_path / "plain.csv").write_text("1.0,2.0,0\n3.0,4.0,1\n5.0,6.0,1\n")
+    io.convert(tmp_path / "plain.csv", tmp_path / "a.zarr", label_column="2")  # as the CLI does
+    X, y, _ = io.open_dataset(tmp_path / "a.zarr")
+    np.testing.assert_array_equal(X.compute(), [[1, 2], [3, 4], [5, 6]])
+    assert y.compute().tolist() == [0, 1, 1]
+    # A header that has a column called "0": the name wins over the index.
+    (tmp_path / "named.csv").write_text("a,0,b\n1.0,7,2.0\n3.0,8,4.0\n")
+    io.convert(tmp_path / "named.csv", tmp_path / "b.zarr", label_column="0")
+    X, y, _ = io.open_dataset(tmp_path / "b.zarr")
+    np.testing.assert_array_equal(X.compute(), [[1, 2], [3, 4]])
+    assert y.compute().tolist() == [0, 1]  # labels 7, 8 coded as classes 0, 1
+
+
+def test_a_late_write_does_not_bring_back_an_abandoned_staging_folder(tmp_path):
+    import dask.array as da
+
+    url = tmp_path / "out.zarr"
+    with pytest.raises(RuntimeError, match="the run failed"):
+        with io.staged_group(url) as target:
+            io.write_dask(target, "labels", da.arange(100, chunks=25))
+            # What a write task still under way elsewhere holds: the array as write_dask
+            # opened it, shipped to the worker.
+            late = pickle.loads(pickle.dumps(zarr.open_array(
+                store=io._StagingStore(Path(target)), path="labels", mode="a")))
+            raise RuntimeError("the run failed")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="abandoned"):
+        late[0:25] = np.arange(25)
+    assert list(tmp_path.iterdir()) == []  # not recreated
