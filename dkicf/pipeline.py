@@ -239,6 +239,7 @@ def fit_store(
     t_start = time.perf_counter()
     store, out = io.absolute_location(store), io.absolute_location(out)
     checkpoint = io.absolute_location(checkpoint)
+    io.check_not_input(out, {"the dataset": store, "the checkpoint": checkpoint})
     X, y, info = io.open_dataset(store, storage_options=storage_options)
     model = KernelKMeans(**params)
     model._check_params(X.shape[0])
@@ -338,6 +339,7 @@ def predict_store(
     from .estimator import load
 
     model_path, store, out = (io.absolute_location(p) for p in (model_path, store, out))
+    io.check_not_input(out, {"the model": model_path, "the dataset": store})
     model = load(model_path, storage_options=storage_options)
     X, y, _ = io.open_dataset(store, storage_options=storage_options)
     if X.shape[1] != model.n_features_in_:
