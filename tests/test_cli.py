@@ -318,3 +318,21 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert proc.returncode == 143, err
     assert "terminated" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written left
+
+
+def test_the_python_pipeline_refuses_an_output_that_is_an_input(tmp_path):
+    import zarr
+
+    from dkicf.io import DkicfIOError
+    from dkicf.pipeline import fit_store, predict_store
+
+    g = zarr.open_group(str(tmp_path / "in.zarr"), mode="w")
+    g.create_array("X", data=np.arange(12.0).reshape(6, 2))
+    before = _tree(tmp_path)
+    with pytest.raises(DkicfIOError, match="is the dataset"):
+        fit_store(str(tmp_path / "in.zarr"), str(tmp_path / "in.zarr"), {"n_clusters": 2},
+                  client=None, overwrite=True)
+    with pytest.raises(DkicfIOError, match="contains the model"):
+        predict_store(str(tmp_path / "in.zarr"), str(tmp_path / "in.zarr" / "X"), str(tmp_path),
+                      client=None, overwrite=True)
+    assert _tree(tmp_path) == before
