@@ -27,6 +27,13 @@ def test_save_and_predict(tmp_path):
     out = _run([EXAMPLES / "save_and_predict.py", "--n", "800", "--model",
                 tmp_path / "m.zarr"], tmp_path)
     assert "predicts identically: True" in out
+    # A second run does not replace the saved model unless told to.
+    before = (tmp_path / "m.zarr" / "zarr.json").read_bytes()
+    proc = subprocess.run([sys.executable, EXAMPLES / "save_and_predict.py", "--n", "800",
+                           "--model", tmp_path / "m.zarr"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    assert (tmp_path / "m.zarr" / "zarr.json").read_bytes() == before
 
 
 def test_out_of_core(tmp_path):
