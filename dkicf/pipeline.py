@@ -60,7 +60,10 @@ class FitPlan:
             f"of {self.chunk_rows} rows)",
             f"  one task: {gb(self.task_bytes)}"
             + (f" (worker limit {gb(self.worker_memory)})" if self.worker_memory else ""),
-            f"  X held in worker memory: {self.persist_x}; P kept in: {self.p_storage}",
+            f"  X held in worker memory: {self.persist_x}; P kept in: {self.p_storage}"
+            if self.worker_memory else
+            "  X held in worker memory, P in memory or Zarr: decided by fit from the "
+            "workers' memory (not known here)",
         ]
 
 
