@@ -67,21 +67,35 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                    help="memory limit per local worker, e.g. 4GiB (default: auto)")
     g.add_argument("--dashboard", action="store_true",
                    help="serve the dask dashboard (on 127.0.0.1 only)")
-    g.add_argument("--tls-ca-file", help="CA certificate for tls:// schedulers")
-    g.add_argument("--tls-cert", help="client certificate for tls:// schedulers")
-    g.add_argument("--tls-key", help="client private key for tls:// schedulers")
+    g.add_argument("--tls-ca-file",
+                   help="CA certificate for tls:// schedulers, and for the scheduler that "
+                        "--cluster slurm/pbs starts (default there: throwaway certificates)")
+    g.add_argument("--tls-cert", help="certificate of this process (and of slurm/pbs workers)")
+    g.add_argument("--tls-key", help="private key of --tls-cert")
     g.add_argument("--jobs", type=int, default=1, help="batch jobs (slurm/pbs)")
     g.add_argument("--cores", type=int, default=2, help="cores per job (slurm/pbs)")
     g.add_argument("--memory", default="8GiB", help="memory per job (slurm/pbs)")
     g.add_argument("--walltime", default="01:00:00", help="walltime per job (slurm/pbs)")
     g.add_argument("--queue", default=None, help="queue or partition (slurm/pbs)")
     g.add_argument("--processes", type=int, default=1, help="worker processes per job")
-    g.add_argument("--interface", help="network interface of scheduler and workers (slurm/pbs)")
+    g.add_argument("--interface",
+                   help="network interface, e.g. ib0, that the scheduler listens on and the "
+                        "workers use (slurm/pbs; default: the scheduler listens on every "
+                        "interface; either way it accepts mutual TLS only)")
     g.add_argument("--account", help="account to charge (slurm/pbs)")
+    g.add_argument("--shared-dir", metavar="DIR",
+                   help="directory of yours that the compute nodes see, for the throwaway TLS "
+                        "files, readable by you only (slurm/pbs without --tls-*; default: dask's "
+                        "jobqueue.<kind>.shared-temp-directory setting, else ~/.dkicf)")
     g.add_argument("--image", default=None, help="container image (kubernetes)")
     g.add_argument("--name", default="dkicf", help="cluster name (kubernetes)")
     g.add_argument("--timeout", type=float, default=20.0,
-                   help="seconds to wait for a scheduler (default: 20)")
+                   help="seconds to wait for a scheduler (--scheduler, --scheduler-file; "
+                        "default: 20)")
+    g.add_argument("--worker-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="kubernetes/slurm/pbs: seconds to wait for all workers to join, as "
+                        "pods or batch jobs start (default: 3600; inf: no limit); then the "
+                        "fit goes on with those that joined, or stops if none did")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -368,19 +382,34 @@ def _cluster(args):
     if args.cluster == "local":
         options = dict(workers=args.workers, threads=args.threads,
                        memory_limit=args.memory_limit, dashboard=args.dashboard)
-    elif args.cluster in ("slurm", "pbs"):
-        options = dict(jobs=args.jobs, cores=args.cores, memory=args.memory,
+    else:
+        if not args.worker_timeout > 0:
+            raise UsageError(
+                f"--worker-timeout must be a number of seconds > 0 (inf: no limit), "
+                f"got {args.worker_timeout}."
+            )
+
+        def say(line: str) -> None:
+            print(f"dkicf: {line}", file=sys.stderr, flush=True)
+
+        # Batch jobs and pods may take hours to start: say what is being waited for.
+        options = dict(worker_timeout=args.worker_timeout, progress=None if args.quiet else say)
+    if args.cluster in ("slurm", "pbs"):
+        options.update(jobs=args.jobs, cores=args.cores, memory=args.memory,
                        walltime=args.walltime, queue=args.queue, processes=args.processes)
         if args.interface:
             options["interface"] = args.interface
         if args.account:
             options["account"] = args.account
-        if security is not None:
-            options["security"] = security
-    else:
+        # The scheduler listens on the site's network: mutual TLS, with throwaway
+        # certificates unless --tls-* name some.
+        options["security"] = True if security is None else security
+        if args.shared_dir:
+            options["shared_temp_directory"] = args.shared_dir
+    elif args.cluster == "kubernetes":
         if not args.image:
             raise UsageError("--cluster kubernetes needs --image (the dkicf container image).")
-        options = dict(name=args.name, image=args.image, workers=args.workers,
+        options.update(name=args.name, image=args.image, workers=args.workers,
                        threads=args.threads, memory_limit=args.memory_limit)
     client, cluster = deploy.start_cluster(args.cluster, **options)
     try:

@@ -2,10 +2,13 @@
 
 Everything here is secure by default: a local cluster listens on 127.0.0.1
 only, no dashboard is served unless asked for (and then on 127.0.0.1 only, or
-inside the Kubernetes cluster), and a TLS connection requires encryption and
+inside the Kubernetes cluster), the scheduler of a SLURM or PBS cluster, which
+must listen on the site's network, accepts mutual TLS only (with throwaway
+certificates unless given some), and a TLS connection requires encryption and
 mutual authentication.  The Kubernetes and batch-system back ends are optional
 extras; this module imports without them and names the extra to install when
-one is missing.
+one is missing.  Clusters on Kubernetes or a batch system are returned once
+their workers have joined, or a time limit has passed.
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import math
+import os
 import re
+import shlex
+import shutil
 import ssl
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .errors import DkicfError
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -26,7 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLUSTER_KINDS",
+    "JobSubmissionError",
     "MissingExtraError",
+    "WorkersTimeoutError",
     "connect",
     "jobqueue_script",
     "kubernetes_spec",
@@ -42,10 +53,27 @@ CLUSTER_KINDS = ("local", "kubernetes", "slurm", "pbs")
 _K8S_DASK_MEMORY_FRACTION = 0.9
 _SCRIPT_SCHEDULER = "tcp://<scheduler-address>:8786"
 _TLS_FLAGS = "--tls-ca-file, --tls-cert and --tls-key"
+# How long start_cluster waits for the workers of batch jobs or pods by default,
+# how often it looks, and how often it says that it is still waiting.
+_WORKER_TIMEOUT = 3600.0
+_POLL_INTERVAL = 0.5
+_REMINDER_INTERVAL = 600.0
+# Where throwaway TLS files go when neither the caller nor dask's configuration says.
+_SHARED_TEMP_DIRECTORY = "~/.dkicf"
+
+logger = logging.getLogger(__name__)
 
 
 class MissingExtraError(ImportError):
     """An optional dependency of one way of deploying is not installed."""
+
+
+class JobSubmissionError(DkicfError, RuntimeError):
+    """The batch system refused to queue the jobs of a cluster (``sbatch``/``qsub`` failed)."""
+
+
+class WorkersTimeoutError(DkicfError, TimeoutError):
+    """No worker of a new cluster joined within ``worker_timeout`` seconds."""
 
 
 def _require(module: str, extra: str, purpose: str):
@@ -524,6 +552,9 @@ _KUBERNETES_OPTIONS = (
     "name", "image", "workers", "threads", "memory_limit", "env", "secret",
     "scheduler_cpu", "scheduler_memory", "namespace",
 )
+# Options of start_cluster for the kinds whose workers start after it returns
+# from the platform: pods and batch jobs.
+_WAIT_OPTIONS = ("worker_timeout", "progress")
 
 
 def _kubernetes_cluster(**options):
@@ -535,8 +566,10 @@ def _kubernetes_cluster(**options):
     for required in ("name", "image"):
         if required not in options:
             raise TypeError(f'start_cluster("kubernetes") needs {required}=.')
-    spec = kubernetes_spec(options.pop("name"), options.pop("image"), **options)
-    return operator.KubeCluster(custom_cluster_spec=spec, namespace=namespace)
+    name = options.pop("name")
+    spec = kubernetes_spec(name, options.pop("image"), **options)
+    cluster = operator.KubeCluster(custom_cluster_spec=spec, namespace=namespace)
+    return cluster, _PodsWatch(name, namespace, options.get("workers", 2))
 
 
 _JOBQUEUE = {"slurm": "SLURM", "pbs": "PBS"}
@@ -547,7 +580,14 @@ _JOB_OPTIONS = (
     "python",
 )
 # Options of the cluster object itself (they do not change the script).
-_JOBQUEUE_CLUSTER_OPTIONS = ("jobs", "dashboard", "security", "shared_temp_directory")
+_JOBQUEUE_CLUSTER_OPTIONS = (
+    "jobs", "dashboard", "security", "shared_temp_directory", *_WAIT_OPTIONS,
+)
+# How to look at a queued job, and why it has not started.
+_JOB_STATUS = {
+    "slurm": ("squeue -j {ids}", "scontrol show job {id}"),
+    "pbs": ("qstat {ids}", "qstat -f {id}"),
+}
 
 
 def _job_kwargs(kind: str, options: dict) -> dict:
@@ -576,22 +616,138 @@ def _jobqueue_module(kind: str):
     return _require("dask_jobqueue", "hpc", f"start_cluster({kind!r})")
 
 
+def _check_submit_command(kind: str, job_cls) -> None:
+    """Fail at once, in one line, when the batch system's submit command is missing."""
+    command = shlex.split(job_cls.submit_command)[0]
+    if shutil.which(command) is None:
+        raise FileNotFoundError(
+            f"{command} not found: run on a login node of a {_JOBQUEUE[kind]} cluster "
+            f"(where {command} is on PATH), or use --scheduler to connect to a running dask "
+            "scheduler (dkicf.deploy.connect in Python)."
+        )
+
+
+def _jobqueue_security(kind: str, options: dict):
+    """The ``security`` and ``shared_temp_directory`` to give dask-jobqueue.
+
+    ``True`` (also for a missing or None ``security``) means throwaway
+    certificates, whose files go to a private directory that is created if
+    needed; ``False`` means plain TCP.
+    """
+    import dask
+
+    security = options.get("security")
+    if security is False:
+        logger.warning(
+            "start_cluster(%r, security=False): the scheduler accepts plain TCP on %s; "
+            "whoever reaches it can run code as you on every worker.",
+            kind, options.get("interface") or "every interface",
+        )
+        return None, options.get("shared_temp_directory")
+    if security is not None and security is not True:
+        return security, options.get("shared_temp_directory")
+    try:
+        importlib.import_module("cryptography")
+    except ImportError:
+        raise MissingExtraError(
+            f"the scheduler of a {_JOBQUEUE[kind]} cluster speaks mutual TLS, by default with "
+            "throwaway certificates (security=True), which need the cryptography package: "
+            'pip install cryptography (part of pip install "dkicf[hpc]"). Or bring '
+            f"certificates of your own: {_TLS_FLAGS} on the dkicf command line, "
+            "security=make_security(ca_file, cert, key) in Python."
+        ) from None
+    directory = (
+        options.get("shared_temp_directory")
+        or dask.config.get(f"jobqueue.{kind}.shared-temp-directory", None)
+        or _SHARED_TEMP_DIRECTORY
+    )
+    local = Path(os.path.expandvars(os.path.expanduser(str(directory))))
+    try:
+        local.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        # Same type (PermissionError, ...), so that callers can tell the cases apart.
+        raise type(exc)(
+            f"shared_temp_directory {local}: cannot be created ({exc.strerror or exc}); it "
+            "holds the throwaway TLS files, so name a directory of yours that the compute "
+            "nodes see (dkicf: --shared-dir)."
+        ) from None
+    return True, str(local)
+
+
+def _submission_failure(exc: BaseException) -> str:
+    """The useful part of a failed ``sbatch``/``qsub`` call: what it printed on stderr."""
+    text = str(exc)
+    if "\nstderr:\n" in text:
+        text = text.split("\nstderr:\n", 1)[1]
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def _reporting_job_class(job_cls):
+    """``job_cls`` that records a failed submission instead of raising it in the event loop.
+
+    dask-jobqueue submits jobs from a callback of the cluster's event loop,
+    where an exception becomes a traceback on stderr that no caller can catch.
+    The failure is kept in ``submit_error`` for :func:`start_cluster` to
+    report, and logged as one line once ``log_failures`` is set (for later
+    scaling, after start_cluster has returned).  ``close`` also marks
+    the job closed, which dask-jobqueue's own ``close`` leaves out (closing the
+    cluster then fails an assertion for any job still referenced).
+    """
+    from distributed.core import Status
+    from distributed.deploy.spec import ProcessInterface
+
+    class _ReportingJob(job_cls):
+        submit_error = None
+        log_failures = False
+
+        async def start(self):
+            try:
+                await super().start()
+            except (OSError, RuntimeError, ValueError) as exc:
+                self.submit_error = _submission_failure(exc)
+                if self.log_failures:
+                    logger.warning("%s failed: %s", self.submit_command, self.submit_error)
+                # A job that never ran: nothing to cancel (job_id stays None).
+                self.status = Status.running
+
+        async def close(self):
+            try:
+                await super().close()  # cancels the job
+            finally:
+                await ProcessInterface.close(self)
+
+    _ReportingJob.__name__ = job_cls.__name__
+    _ReportingJob.__qualname__ = job_cls.__qualname__
+    return _ReportingJob
+
+
 def _jobqueue_cluster(kind: str, **options):
     module = _jobqueue_module(kind)
     kwargs = _job_kwargs(kind, options)
+    cluster_cls = getattr(module, f"{_JOBQUEUE[kind]}Cluster")
+    _check_submit_command(kind, cluster_cls.job_cls)
+    security, shared = _jobqueue_security(kind, options)
     dashboard = bool(options.get("dashboard", False))
     # The scheduler runs in this process and must be reachable from the compute
-    # nodes, so it listens on ``interface`` (or every interface); its HTTP server
-    # stays on 127.0.0.1 (reach it with an ssh tunnel).
+    # nodes, so it listens on ``interface`` (or every interface), for mutual TLS
+    # unless security=False; its HTTP server stays on 127.0.0.1 (reach it with an
+    # ssh tunnel).
+    job_cls = _reporting_job_class(cluster_cls.job_cls)
     with _scheduler_http(dashboard):
-        cluster = getattr(module, f"{_JOBQUEUE[kind]}Cluster")(
+        cluster = cluster_cls(
             **kwargs,
-            security=options.get("security"),
-            shared_temp_directory=options.get("shared_temp_directory"),
+            job_cls=job_cls,
+            security=security,
+            shared_temp_directory=shared,
             scheduler_options={"dashboard_address": "127.0.0.1:0", "dashboard": dashboard},
         )
-    cluster.scale(jobs=options.get("jobs", 1))
-    return cluster
+    jobs = options.get("jobs", 1)
+    try:
+        cluster.scale(jobs=jobs)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster, _JobsWatch(kind, cluster, job_cls, jobs, kwargs["processes"])
 
 
 def jobqueue_script(kind: str, **options) -> str:
@@ -601,14 +757,23 @@ def jobqueue_script(kind: str, **options) -> str:
     ----------
     kind : {"slurm", "pbs"}
     **options
-        As for :func:`start_cluster`.  ``jobs``, ``dashboard`` and
-        ``shared_temp_directory`` are accepted and do not change the script.
+        As for :func:`start_cluster`.  ``jobs``, ``dashboard``,
+        ``shared_temp_directory``, ``worker_timeout`` and ``progress`` are
+        accepted and do not change the script.
 
     Returns
     -------
     str
         The script, with ``tcp://<scheduler-address>:8786`` where the running
-        cluster's scheduler address goes (``tls://`` with ``security``).
+        cluster's scheduler address goes (``tls://`` with
+        ``security=make_security(...)``).  Without ``security`` the script
+        shows plain TCP, but the cluster :func:`start_cluster` starts uses
+        ``tls://`` and throwaway certificate files (see its ``security``).
+
+    Raises
+    ------
+    ValueError
+        ``security=True``: its certificates only exist once a cluster starts.
 
     Examples
     --------
@@ -626,15 +791,219 @@ def jobqueue_script(kind: str, **options) -> str:
             "security=True makes throwaway certificates when the cluster starts, so no "
             "script shows them; pass make_security(ca_file, cert, key) to see TLS in the script."
         )
-    if security is not None:
+    if security is not None and security is not False:
         kwargs.update(security=security, protocol="tls://")
         scheduler = scheduler.replace("tcp://", "tls://")
     job_cls = getattr(module, f"{_JOBQUEUE[kind]}Cluster").job_cls
     return job_cls(scheduler, name="dummy-name", **kwargs).job_script()
 
 
+# --------------------------------------------------------- waiting for workers
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a short human duration: ``45 s``, ``10 min``, ``1.5 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.3g} h"
+
+
+def _count(n: int, word: str) -> str:
+    """``1 worker``, ``2 workers``."""
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def _id_list(ids: list[str], limit: int = 5) -> str:
+    shown = ", ".join(ids[:limit])
+    return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+
+
+class _JobsWatch:
+    """What waiting for the workers of a dask-jobqueue cluster needs to know of its jobs."""
+
+    def __init__(self, kind: str, cluster, job_cls, jobs: int, processes: int):
+        self.kind = kind
+        self.label = _JOBQUEUE[kind]
+        self.cluster = cluster
+        self.job_cls = job_cls
+        self.jobs = jobs
+        self.expected = jobs * processes
+
+    def _all(self) -> list:
+        return list(self.cluster.workers.values())
+
+    def _ids(self) -> list[str]:
+        return [str(job.job_id) for job in self._all() if job.job_id]
+
+    def _status_command(self) -> str:
+        return _JOB_STATUS[self.kind][0].format(ids=",".join(self._ids()) or "--me")
+
+    def submitted(self) -> bool:
+        """Whether every job has been handed to the batch system; raise if one was refused."""
+        jobs = self._all()
+        if len(jobs) < self.jobs or any(
+            not job.job_id and getattr(job, "submit_error", None) is None for job in jobs
+        ):
+            return False
+        failed = [job.submit_error for job in jobs if getattr(job, "submit_error", None)]
+        if failed:
+            command = shlex.split(jobs[0].submit_command)[0]
+            which = "the job" if self.jobs == 1 else f"{len(failed)} of {self.jobs} jobs"
+            accepted = (
+                "" if len(failed) == self.jobs else " The jobs it accepted have been cancelled."
+            )
+            raise JobSubmissionError(
+                f"{command} refused {which}: {failed[0].rstrip('.')}. Check the queue, "
+                "account, walltime, cores and memory asked for against the site's limits."
+                + accepted
+            )
+        return True
+
+    def started(self) -> None:
+        """From now on, jobs that the batch system refuses are logged."""
+        self.job_cls.log_failures = True
+
+    def waiting(self) -> str:
+        ids = self._ids()
+        return (
+            f"submitted {_count(len(ids), self.label + ' job')} ({_id_list(ids)}) for "
+            f"{_count(self.expected, 'worker')}; check the queue with: {self._status_command()}"
+        )
+
+    def _log_directory(self) -> str:
+        jobs = self._all()
+        directory = getattr(jobs[0], "log_directory", None) if jobs else None
+        return os.path.abspath(directory or os.getcwd())
+
+    def none_joined(self) -> str:
+        ids = self._ids()
+        if len(ids) < self.jobs:
+            return (
+                f"the {self.label} jobs were not all submitted ({len(ids)} of {self.jobs}): "
+                "is the batch system answering?"
+            )
+        reason = _JOB_STATUS[self.kind][1].format(id=ids[0])
+        jobs = f"{len(ids)} {self.label} jobs ({_id_list(ids)}) have"
+        if len(ids) == 1:
+            jobs = f"the {self.label} job {ids[0]} has"
+        return (
+            f"{jobs} not started, or their workers could not connect. See where they are with "
+            f"{self._status_command()} (why one waits: {reason}) and read their output in "
+            f"{self._log_directory()}. They have been cancelled. Wait longer with "
+            "--worker-timeout (worker_timeout=), or ask for fewer resources (cores, memory, "
+            "walltime) to start sooner."
+        )
+
+    def rest(self) -> str:
+        return f"the others join when their {self.label} jobs start"
+
+
+class _PodsWatch:
+    """What waiting for the workers of a DaskCluster on Kubernetes needs to know."""
+
+    def __init__(self, name: str, namespace: str | None, workers: int):
+        self.name = name
+        self.expected = workers
+        self.pods = (
+            f"kubectl {'-n ' + namespace + ' ' if namespace else ''}get pods "
+            f"-l dask.org/cluster-name={name}"
+        )
+
+    def submitted(self) -> bool:
+        return True
+
+    def started(self) -> None:
+        pass
+
+    def waiting(self) -> str:
+        return (
+            f"DaskCluster {self.name} has started its scheduler; its "
+            f"{_count(self.expected, 'worker pod')} show with: {self.pods}"
+        )
+
+    def none_joined(self) -> str:
+        return (
+            f"the worker pods of DaskCluster {self.name} have not joined. See "
+            f"them with {self.pods}, and kubectl describe pod on one that is Pending (image "
+            "pull, quota, node resources) or kubectl logs on one that runs. Wait longer with "
+            "--worker-timeout (worker_timeout=)."
+        )
+
+    def rest(self) -> str:
+        return "the others join when their pods start"
+
+
+def _wait_options(options: dict) -> dict:
+    """Take ``worker_timeout`` and ``progress`` out of ``options``, checked."""
+    timeout = options.pop("worker_timeout", _WORKER_TIMEOUT)
+    progress = options.pop("progress", None)
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(
+                f"worker_timeout must be a number of seconds > 0 (or None to wait without "
+                f"limit), got {timeout!r}."
+            )
+        if math.isinf(timeout):
+            timeout = None
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a function of one string, got {progress!r}.")
+    return {"timeout": timeout, "progress": progress}
+
+
+def _joined(client) -> int:
+    return len(client.scheduler_info()["workers"])
+
+
+def _wait_for_workers(client, watch, *, timeout: float | None, progress) -> None:
+    """Block until ``watch.expected`` workers joined, or ``timeout`` seconds passed.
+
+    After the timeout the cluster is used as it is if at least one worker
+    joined (with a warning); with none, :class:`WorkersTimeoutError`.
+    """
+    say = progress or logger.info
+    start = time.monotonic()
+    announced = False
+    seen = 0
+    reminder = start + _REMINDER_INTERVAL
+    limit = "without a time limit" if timeout is None else f"up to {_duration(timeout)}"
+    while True:
+        if not announced and watch.submitted():
+            say(f"{watch.waiting()}; waiting {limit} for the workers to join ...")
+            announced = True
+        joined = _joined(client)
+        elapsed = time.monotonic() - start
+        if joined >= watch.expected:
+            say(f"all {_count(watch.expected, 'worker')} joined after {_duration(elapsed)}")
+            return
+        if joined != seen:
+            say(f"{joined} of {watch.expected} workers joined after {_duration(elapsed)}")
+            seen = joined
+        if timeout is not None and elapsed >= timeout:
+            if joined:
+                logger.warning(
+                    "only %d of %d workers joined within %s; going on with them (%s).",
+                    joined, watch.expected, _duration(timeout), watch.rest(),
+                )
+                return
+            raise WorkersTimeoutError(
+                f"no worker joined within {_duration(timeout)}: {watch.none_joined()}"
+            )
+        if time.monotonic() >= reminder:
+            say(f"still waiting: {joined} of {watch.expected} workers after {_duration(elapsed)}")
+            reminder += _REMINDER_INTERVAL
+        pause = _POLL_INTERVAL
+        if timeout is not None:
+            pause = min(pause, max(timeout - elapsed, 0.0))
+        time.sleep(pause)
+
+
 def start_cluster(kind: str = "local", **options):
     """Start a dask cluster and return ``(client, cluster)``.
+
+    For Kubernetes and batch systems it also waits for the workers: their
+    pods or jobs may take minutes or hours to start, and a fit needs workers.
 
     Parameters
     ----------
@@ -655,46 +1024,92 @@ def start_cluster(kind: str = "local", **options):
         ``walltime``, ``queue``, ``account``, ``interface`` (network for the
         scheduler and workers, e.g. ``"ib0"``), ``local_directory``,
         ``log_directory``, ``job_script_prologue``, ``job_extra_directives``,
-        ``python``, ``dashboard=False``, ``security`` and
+        ``python``, ``dashboard=False``, ``security=True`` and
         ``shared_temp_directory``.  The scheduler runs in this process and
-        listens on ``interface``, where other users of the site's network can
-        reach it: pass ``security=make_security(...)``, or ``security=True``
-        for throwaway certificates (needs ``cryptography``) that dask-jobqueue
-        writes, readable by you only, into ``shared_temp_directory`` (a
-        directory the compute nodes see).
+        listens on ``interface`` (every interface if not given), where other
+        users of the site's network can reach it, so it only speaks mutual
+        TLS unless told otherwise:
+
+        - ``security=True`` (the default; ``None`` means the same): throwaway
+          certificates, made with the ``cryptography`` package.  dask-jobqueue
+          writes the workers' copy, readable by you only, into
+          ``shared_temp_directory``, which must be a directory the compute
+          nodes see; by default dask's ``jobqueue.<kind>.shared-temp-directory``
+          setting or else ``~/.dkicf``, created with mode 700 if missing.
+        - ``security=make_security(ca_file, cert, key)``: your certificates;
+          the files must be readable on the compute nodes at the same paths.
+        - ``security=False``: plain TCP.  Whoever reaches the scheduler can
+          run code as you on every worker: only on a network you trust.
+
+        ``kubernetes``, ``slurm``, ``pbs`` also take ``worker_timeout=3600``
+        (seconds) and ``progress``.  The call returns once all requested
+        workers (``workers``, or ``jobs * processes``) have joined.  If
+        ``worker_timeout`` passes first, it returns with the workers that
+        joined (and logs a warning), or raises :class:`WorkersTimeoutError`
+        when none did; ``None`` or ``math.inf`` waits without limit.
+        ``progress``, a function of one string, receives the messages about
+        the wait (the job ids, how many workers joined); by default they are
+        logged at INFO level on the ``dkicf.deploy`` logger.
 
     Returns
     -------
     client : distributed.Client
     cluster : distributed.deploy.Cluster
-        Close both when done: ``client.close(); cluster.close()``.
+        Close both when done: ``client.close(); cluster.close()``.  Closing a
+        batch-system cluster cancels its jobs.
 
     Raises
     ------
     MissingExtraError
         The kind's optional dependency is not installed (an ImportError whose
-        message says which ``pip install "dkicf[...]"`` adds it).
+        message says which ``pip install "dkicf[...]"`` adds it), or
+        ``cryptography`` for ``security=True``.
+    FileNotFoundError
+        ``sbatch`` or ``qsub`` is not on PATH: this is not a login node of
+        the batch system.
+    JobSubmissionError
+        ``sbatch`` or ``qsub`` refused a job; the message quotes it.
+    WorkersTimeoutError
+        No worker joined within ``worker_timeout``; the message names the
+        jobs and where to look.  The jobs have been cancelled.
 
     Examples
     --------
     >>> from dkicf.deploy import start_cluster
     >>> client, cluster = start_cluster("local", workers=1, threads=1)  # doctest: +SKIP
     >>> client.close(); cluster.close()  # doctest: +SKIP
+
+    On a login node of a SLURM cluster, with TLS files in ``~/.dkicf``:
+
+    >>> client, cluster = start_cluster(
+    ...     "slurm", jobs=4, cores=16, processes=4, memory="120GiB", walltime="04:00:00",
+    ...     interface="ib0", worker_timeout=2 * 3600, progress=print,
+    ... )  # doctest: +SKIP
     """
     from distributed import Client
 
+    watch = wait = None
     if kind == "local":
         _check_options(kind, options, ("workers", "threads", "memory_limit", "dashboard"))
         cluster = _local_cluster(**options)
     elif kind == "kubernetes":
-        cluster = _kubernetes_cluster(**options)
+        wait = _wait_options(options)
+        cluster, watch = _kubernetes_cluster(**options)
     elif kind in _JOBQUEUE:
-        cluster = _jobqueue_cluster(kind, **options)
+        wait = _wait_options(options)
+        cluster, watch = _jobqueue_cluster(kind, **options)
     else:
         raise ValueError(f"kind must be one of {list(CLUSTER_KINDS)}, got {kind!r}.")
+    client = None
     try:
         client = Client(cluster)
+        if watch is not None:
+            _wait_for_workers(client, watch, **wait)
+            watch.started()
     except BaseException:
+        # Also on Ctrl-C while waiting: closing the cluster cancels its jobs.
+        if client is not None:
+            client.close()
         cluster.close()
         raise
     return client, cluster

@@ -1043,10 +1043,12 @@ def test_manual_batch_script_runs_and_cleans_up(tmp_path, script, n_workers):
 # ----------------------------------------- start_cluster("slurm") with stand-ins
 
 _SBATCH = """#!/bin/bash
-# Stand-in for sbatch: runs the job script here, in the background, in its own session.
+# Stand-in for sbatch: runs the job script here, in the background, in its own session,
+# after STUB_DELAY seconds (as if it had waited in the queue).
 id=$((1000 + RANDOM))
 cp "$1" "$STUB_DIR/job-$id.sh"
-setsid bash "$STUB_DIR/job-$id.sh" > "$STUB_DIR/job-$id.log" 2>&1 < /dev/null &
+setsid bash -c 'sleep "${STUB_DELAY:-0}"; exec bash "$0"' "$STUB_DIR/job-$id.sh" \\
+    > "$STUB_DIR/job-$id.log" 2>&1 < /dev/null &
 echo $! > "$STUB_DIR/job-$id.pid"
 echo "Submitted batch job $id"
 """
@@ -1057,40 +1059,93 @@ for id in "$@"; do kill -TERM -- "-$(cat "$STUB_DIR/job-$id.pid")" 2>/dev/null; 
 exit 0
 """
 
+# Stand-ins for a queue that accepts jobs and never starts them, and for its scancel.
+_SBATCH_QUEUED = """#!/bin/bash
+id=$((1000 + RANDOM))
+echo "$id" >> "$STUB_DIR/queued"
+echo "Submitted batch job $id"
+"""
 
-def test_start_cluster_slurm_with_tls_runs_jobs_that_join(tmp_path, monkeypatch):
-    """start_cluster("slurm") end to end, with sbatch and scancel stand-ins that run here."""
-    pytest.importorskip("dask_jobqueue")
-    pytest.importorskip("cryptography")  # security=True makes throwaway certificates
+_SCANCEL_RECORD = """#!/bin/bash
+echo "$@" >> "$STUB_DIR/cancelled"
+"""
+
+_SBATCH_REFUSED = """#!/bin/bash
+echo "sbatch: error: Batch job submission failed: Invalid account or account/partition \\
+combination specified" >&2
+exit 1
+"""
+
+
+def _stubs(tmp_path: Path, monkeypatch, **scripts: str) -> Path:
+    """Put stand-in commands first on PATH; they keep their records in ``tmp_path``."""
     stubs = tmp_path / "bin"
-    stubs.mkdir()
-    _write_executable(stubs / "sbatch", _SBATCH)
-    _write_executable(stubs / "scancel", _SCANCEL)
-    shared = tmp_path / "shared"
-    shared.mkdir(mode=0o700)
+    stubs.mkdir(exist_ok=True)
+    for name, text in scripts.items():
+        _write_executable(stubs / name, text)
     monkeypatch.setenv("STUB_DIR", str(tmp_path))
     monkeypatch.setenv("PATH", os.pathsep.join([str(stubs), os.environ["PATH"]]))
     monkeypatch.setenv("PYTHONPATH", _child_env()["PYTHONPATH"])
+    return stubs
+
+
+def _kill_stub_jobs(directory: Path) -> None:
+    for pid_file in directory.glob("job-*.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.killpg(int(pid_file.read_text()), 9)
+
+
+def test_start_cluster_slurm_is_tls_by_default_and_waits_for_late_jobs(tmp_path, monkeypatch):
+    """start_cluster("slurm") end to end, with sbatch and scancel stand-ins that run here.
+
+    No security is asked for: the scheduler speaks mutual TLS with throwaway
+    certificates in ~/.dkicf, and start_cluster returns once the job, which
+    the queue holds for a few seconds, has started its workers.
+    """
+    pytest.importorskip("dask_jobqueue")
+    pytest.importorskip("cryptography")  # the throwaway certificates
+    from distributed import Client
+
+    _stubs(tmp_path, monkeypatch, sbatch=_SBATCH, scancel=_SCANCEL)
+    delay = 3
+    monkeypatch.setenv("STUB_DELAY", str(delay))
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    messages = []
 
     def job_logs() -> str:
         return "".join(log.read_text() for log in tmp_path.glob("job-*.log"))
 
     try:
+        t0 = time.monotonic()
         client, cluster = start_cluster(
             "slurm", jobs=1, cores=2, processes=2, memory="2GiB", walltime="00:10:00",
-            interface="lo", security=True, shared_temp_directory=str(shared),
+            interface="lo", worker_timeout=START_TIMEOUT, progress=messages.append,
         )
         try:
-            client.wait_for_workers(2, timeout=START_TIMEOUT)
+            # Both workers are there when it returns, after the queue's delay.
+            assert time.monotonic() - t0 >= delay
             info = client.scheduler_info()
-            assert cluster.scheduler_address.startswith("tls://127.0.0.1:")
             assert sorted(w["nthreads"] for w in info["workers"].values()) == [1, 1]
-            assert client.submit(sum, [1, 2, 3]).result() == 6
-            # The workers' TLS files are private to this user.
-            files = list(shared.glob(".dask-jobqueue.worker.*"))
-            assert files and all(f.stat().st_mode & 0o077 == 0 for f in files)
             (script,) = tmp_path.glob("job-*.sh")
-            assert "--tls-cert" in script.read_text()
+            job_id = script.stem.split("-")[1]
+            assert messages[0].startswith(f"submitted 1 SLURM job ({job_id}) for 2 workers")
+            assert f"squeue -j {job_id}" in messages[0]
+            assert messages[-1].startswith("all 2 workers joined after")
+            # Mutual TLS: the scheduler, the job's worker command, the private files.
+            address = cluster.scheduler_address
+            assert address.startswith("tls://127.0.0.1:")
+            text = script.read_text()
+            assert f" {address} " in text and "--tls-cert" in text and "--tls-key" in text
+            shared = home / ".dkicf"
+            assert shared.stat().st_mode & 0o777 == 0o700
+            files = list(shared.glob(".dask-jobqueue.worker.*"))
+            assert len(files) == 3 and all(f.stat().st_mode & 0o077 == 0 for f in files)
+            assert client.submit(sum, [1, 2, 3]).result() == 6
+            # A client without TLS gets nowhere.
+            _refused(lambda: Client(address.replace("tls://", "tcp://"),
+                                    timeout=REFUSE_TIMEOUT))
             http_port = cluster.scheduler.http_server.port
             assert _http_status(http_port, "/health") == 200
             assert _http_status(http_port, "/status") == 404
@@ -1106,11 +1161,168 @@ def test_start_cluster_slurm_with_tls_runs_jobs_that_join(tmp_path, monkeypatch)
                 break
             time.sleep(0.2)
     finally:
-        for pid_file in tmp_path.glob("job-*.pid"):
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.killpg(int(pid_file.read_text()), 9)
+        _kill_stub_jobs(tmp_path)
     logs = job_logs()
     assert "Stopping worker" in logs or "signal-15" in logs, logs[-2000:]
+
+
+def test_start_cluster_slurm_times_out_naming_the_jobs_and_cancels_them(tmp_path, monkeypatch):
+    pytest.importorskip("dask_jobqueue")
+    pytest.importorskip("cryptography")
+    from dkicf.deploy import WorkersTimeoutError
+    from dkicf.errors import DkicfError
+
+    _stubs(tmp_path, monkeypatch, sbatch=_SBATCH_QUEUED, scancel=_SCANCEL_RECORD)
+    logs = tmp_path / "logs"
+    t0 = time.monotonic()
+    with pytest.raises(WorkersTimeoutError) as info:
+        start_cluster(
+            "slurm", jobs=2, cores=1, memory="1GiB", interface="lo", log_directory=str(logs),
+            shared_temp_directory=str(tmp_path / "shared"), worker_timeout=1.5,
+        )
+    elapsed = time.monotonic() - t0
+    assert 1.5 <= elapsed < 30
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, DkicfError)
+    queued = (tmp_path / "queued").read_text().split()
+    assert len(queued) == 2
+    message = str(info.value)
+    assert message.startswith("no worker joined within 2 s: 2 SLURM jobs (")
+    assert all(job_id in message for job_id in queued)
+    assert "squeue -j " in message and f"scontrol show job {queued[0]}" in message
+    assert f"read their output in {logs}" in message
+    assert "--worker-timeout" in message
+    # Closing the cluster cancelled both jobs.
+    assert sorted((tmp_path / "cancelled").read_text().split()) == sorted(queued)
+
+
+def test_start_cluster_slurm_reports_a_refused_job_in_one_line(
+    tmp_path, monkeypatch, caplog, capfd
+):
+    pytest.importorskip("dask_jobqueue")
+    pytest.importorskip("cryptography")
+    from dkicf.deploy import JobSubmissionError
+
+    _stubs(tmp_path, monkeypatch, sbatch=_SBATCH_REFUSED, scancel=_SCANCEL_RECORD)
+    with pytest.raises(JobSubmissionError, match=re.escape(
+        "sbatch refused the job: sbatch: error: Batch job submission failed: Invalid account "
+        "or account/partition combination specified. Check the queue, account"
+    )):
+        start_cluster("slurm", jobs=1, cores=1, memory="1GiB", interface="lo",
+                      shared_temp_directory=str(tmp_path / "shared"), worker_timeout=30)
+    # No traceback from the event loop, and nothing to cancel.
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 40] == []
+    assert "Traceback" not in capfd.readouterr().err
+    assert not (tmp_path / "cancelled").exists()
+
+
+@pytest.mark.parametrize(("kind", "command", "label"),
+                         [("slurm", "sbatch", "SLURM"), ("pbs", "qsub", "PBS")])
+def test_start_cluster_without_the_batch_system_names_it(tmp_path, monkeypatch, kind, command,
+                                                          label):
+    pytest.importorskip("dask_jobqueue")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(FileNotFoundError, match=re.escape(
+        f"{command} not found: run on a login node of a {label} cluster"
+    )):
+        start_cluster(kind, jobs=1, cores=1, memory="1GiB")
+
+
+def test_start_cluster_without_cryptography_names_the_ways_out(tmp_path, monkeypatch):
+    pytest.importorskip("dask_jobqueue")
+    _stubs(tmp_path, monkeypatch, sbatch=_SBATCH_QUEUED, scancel=_SCANCEL_RECORD)
+    _without(monkeypatch, "cryptography")
+    with pytest.raises(MissingExtraError) as info:
+        start_cluster("slurm", jobs=1, cores=1, memory="1GiB", worker_timeout=1)
+    message = str(info.value)
+    assert "pip install cryptography" in message
+    assert "--tls-ca-file, --tls-cert and --tls-key" in message
+    assert "make_security" in message
+    assert not (tmp_path / "queued").exists()  # nothing was submitted
+
+
+def test_start_cluster_slurm_plain_tcp_only_when_asked(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("dask_jobqueue")
+    from dkicf.deploy import WorkersTimeoutError
+
+    _stubs(tmp_path, monkeypatch, sbatch=_SBATCH_QUEUED, scancel=_SCANCEL_RECORD)
+    with pytest.raises(WorkersTimeoutError):
+        start_cluster("slurm", jobs=1, cores=1, memory="1GiB", interface="lo",
+                      security=False, worker_timeout=0.5)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == 30]
+    assert "plain TCP on lo" in warning and "can run code as you" in warning
+    script = jobqueue_script("slurm", cores=1, memory="1GiB", security=False)
+    assert "tcp://<scheduler-address>:8786" in script and "--tls" not in script
+
+
+# ------------------------------------------- waiting for the pods of Kubernetes
+
+
+def _fake_operator(monkeypatch, workers_at_start: int, later: int = 0, after: float = 0.0):
+    """A dask-kubernetes operator whose KubeCluster is an in-process LocalCluster.
+
+    It starts with ``workers_at_start`` workers and grows to ``later`` after
+    ``after`` seconds, as pods would when they get scheduled.
+    """
+    import threading
+
+    from distributed import LocalCluster
+
+    made = []
+
+    def kube_cluster(custom_cluster_spec, namespace):
+        cluster = LocalCluster(n_workers=workers_at_start, threads_per_worker=1,
+                               processes=False, dashboard_address="127.0.0.1:0")
+        if later:
+            timer = threading.Timer(after, cluster.scale, [later])
+            timer.start()
+            made.append(timer)
+        made.append(cluster)
+        return cluster
+
+    monkeypatch.setitem(
+        sys.modules, "dask_kubernetes.operator", types.SimpleNamespace(KubeCluster=kube_cluster)
+    )
+    return made
+
+
+def test_start_cluster_kubernetes_waits_for_the_worker_pods(monkeypatch):
+    _fake_operator(monkeypatch, workers_at_start=0, later=2, after=1.0)
+    messages = []
+    t0 = time.monotonic()
+    client, cluster = start_cluster(
+        "kubernetes", name="fit", image="registry.example.com/dkicf:0.1.0", workers=2,
+        namespace="science", worker_timeout=START_TIMEOUT, progress=messages.append,
+    )
+    try:
+        assert time.monotonic() - t0 >= 1.0
+        assert len(client.scheduler_info()["workers"]) == 2
+        assert "kubectl -n science get pods -l dask.org/cluster-name=fit" in messages[0]
+        assert messages[-1].startswith("all 2 workers joined after")
+    finally:
+        client.close()
+        cluster.close()
+
+
+def test_start_cluster_goes_on_with_the_workers_there_after_the_timeout(monkeypatch, caplog):
+    _fake_operator(monkeypatch, workers_at_start=1)
+    t0 = time.monotonic()
+    client, cluster = start_cluster(
+        "kubernetes", name="fit", image="registry.example.com/dkicf:0.1.0", workers=3,
+        worker_timeout=1.0,
+    )
+    try:
+        assert time.monotonic() - t0 >= 1.0
+        assert len(client.scheduler_info()["workers"]) == 1
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelno == 30]
+        assert warning.startswith("only 1 of 3 workers joined within 1 s; going on with them")
+    finally:
+        client.close()
+        cluster.close()
+    with pytest.raises(ValueError, match="worker_timeout must be a number of seconds > 0"):
+        start_cluster("kubernetes", name="fit", image="registry.example.com/dkicf:0.1.0",
+                      worker_timeout=0)
 
 
 # ---------------------------------------------------------------------- Docker
@@ -1231,3 +1443,91 @@ def test_cli_fit_over_tls_and_refused_without_certificates(tls_cluster, pki, tmp
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert address.split("://")[1] in proc.stderr
+
+
+def _cli(tmp_path, *args, **env):
+    """Run ``dkicf fit`` on a store that need not exist (cluster errors come first)."""
+    return subprocess.run(
+        [sys.executable, "-m", "dkicf.cli", "fit", str(tmp_path / "data.zarr"), "--clusters",
+         "2", "--out", str(tmp_path / "out.zarr"), *args],
+        capture_output=True, text=True, timeout=120, env=_child_env(**env), cwd=tmp_path,
+    )
+
+
+def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path):
+    """--cluster slurm without TLS flags: mutual TLS, and the fit waits for queued jobs."""
+    pytest.importorskip("dask_jobqueue")
+    pytest.importorskip("cryptography")
+    import zarr
+
+    ref_pivots, ref_P, ref_labels = _cli_fit(tmp_path, "local", "--workers", "2")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    _write_executable(stubs / "sbatch", _SBATCH)
+    _write_executable(stubs / "scancel", _SCANCEL)
+    home = tmp_path / "home"
+    home.mkdir()
+    out = tmp_path / "slurm.zarr"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dkicf.cli", "fit", str(tmp_path / "ring.zarr"),
+             "--clusters", "2", "--gamma", "16", "--rank", "30", "--out", str(out),
+             "--cluster", "slurm", "--jobs", "2", "--cores", "1", "--memory", "1GiB",
+             "--interface", "lo", "--worker-timeout", str(START_TIMEOUT)],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env=_child_env(PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]),
+                           STUB_DIR=str(tmp_path), STUB_DELAY="2", HOME=str(home)),
+        )
+    finally:
+        _kill_stub_jobs(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_ids = sorted(p.stem.split("-")[1] for p in tmp_path.glob("job-*.sh"))
+    assert len(job_ids) == 2
+    assert "dkicf: submitted 2 SLURM jobs (" in proc.stderr
+    assert all(job_id in proc.stderr for job_id in job_ids)
+    assert "dkicf: all 2 workers joined after" in proc.stderr
+    for script in tmp_path.glob("job-*.sh"):
+        text = script.read_text()
+        assert "tls://127.0.0.1:" in text and "--tls-key" in text
+    # The throwaway key went with the command.
+    assert (home / ".dkicf").is_dir() and list((home / ".dkicf").iterdir()) == []
+    group = zarr.open_group(str(out), mode="r")
+    assert_array_equal(group["pivots"][...], ref_pivots)
+    assert_allclose(group["P"][...], ref_P, rtol=0, atol=1e-10)
+    assert_array_equal(group["labels"][...], ref_labels)
+
+
+def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
+    pytest.importorskip("dask_jobqueue")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _cli(tmp_path, "--cluster", "slurm", PATH=str(empty))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "dkicf fit: error: sbatch not found: run on a login node of a SLURM cluster (where "
+        "sbatch is on PATH), or use --scheduler to connect to a running dask scheduler "
+        "(dkicf.deploy.connect in Python)."
+    ]
+    proc = _cli(tmp_path, "--cluster", "pbs", "--worker-timeout", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "dkicf fit: error: --worker-timeout must be a number of seconds > 0 (inf: no limit), "
+        "got 0.0."
+    ]
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    _write_executable(stubs / "sbatch", _SBATCH_QUEUED)
+    _write_executable(stubs / "scancel", _SCANCEL_RECORD)
+    proc = _cli(tmp_path, "--cluster", "slurm", "--worker-timeout", "1", "--interface", "lo",
+                "--shared-dir", str(tmp_path / "shared"),
+                PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]), STUB_DIR=str(tmp_path))
+    (job_id,) = (tmp_path / "queued").read_text().split()
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith(f"dkicf: submitted 1 SLURM job ({job_id}) for 1 worker;")
+    assert lines[1].startswith(
+        f"dkicf fit: error: no worker joined within 1 s: the SLURM job {job_id} has not started"
+    )
+    assert f"squeue -j {job_id}" in lines[1] and f"read their output in {tmp_path}" in lines[1]
+    assert len(lines) == 2 and "Traceback" not in proc.stderr
+    assert (tmp_path / "cancelled").read_text().split() == [job_id]
