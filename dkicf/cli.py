@@ -101,7 +101,8 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output Zarr group (path or fsspec URL)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing output (never deleted before the new one is complete)")
+                   help="replace an existing output (a local one only once the new one is "
+                        "complete; on an object store the old one is deleted first)")
 
 
 def _positive_int(text: str) -> int:

@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_script:
         print(jobqueue_script("slurm", **options))
         return
-    if not args.no_tls:
+    if args.no_tls:
+        options.update(security=False)  # plain TCP, as asked (start_cluster warns)
+    else:
         os.makedirs(args.shared_dir, mode=0o700, exist_ok=True)
         options.update(security=True, shared_temp_directory=args.shared_dir)
 
