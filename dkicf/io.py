@@ -253,24 +253,22 @@ class _StagingStore(LocalStore):
     others' failure does not stop it) must not bring the folder back.
     """
 
-    def _gone(self) -> FileNotFoundError:
-        return FileNotFoundError(
-            f"{self.root} is gone: the staged output it belonged to was abandoned."
-        )
+    def _check_root(self) -> None:
+        if not self.root.is_dir():
+            raise FileNotFoundError(
+                f"{self.root} is gone: the staged output it belonged to was abandoned."
+            )
 
     async def _open(self, *, mode=None) -> None:
-        if not self.root.is_dir():
-            raise self._gone()
+        self._check_root()
         self._is_open = True
 
     def _ensure_open_sync(self) -> None:
-        if not self.root.is_dir():
-            raise self._gone()
+        self._check_root()
         self._is_open = True
 
     async def _set(self, key: str, value, exclusive: bool = False) -> None:
-        if not self.root.is_dir():
-            raise self._gone()
+        self._check_root()
         await super()._set(key, value, exclusive=exclusive)
 
 
