@@ -1045,7 +1045,7 @@ def test_manual_batch_script_runs_and_cleans_up(tmp_path, script, n_workers):
 _SBATCH = """#!/bin/bash
 # Stand-in for sbatch: runs the job script here, in the background, in its own session,
 # after STUB_DELAY seconds (as if it had waited in the queue).
-id=$((1000 + RANDOM))
+id=$$  # the stand-in's own process id: unique among concurrent submissions
 cp "$1" "$STUB_DIR/job-$id.sh"
 setsid bash -c 'sleep "${STUB_DELAY:-0}"; exec bash "$0"' "$STUB_DIR/job-$id.sh" \\
     > "$STUB_DIR/job-$id.log" 2>&1 < /dev/null &
@@ -1061,7 +1061,7 @@ exit 0
 
 # Stand-ins for a queue that accepts jobs and never starts them, and for its scancel.
 _SBATCH_QUEUED = """#!/bin/bash
-id=$((1000 + RANDOM))
+id=$$  # the stand-in's own process id: unique among concurrent submissions
 echo "$id" >> "$STUB_DIR/queued"
 echo "Submitted batch job $id"
 """
@@ -1188,7 +1188,11 @@ def test_start_cluster_slurm_times_out_naming_the_jobs_and_cancels_them(tmp_path
     message = str(info.value)
     assert message.startswith("no worker joined within 2 s: 2 SLURM jobs (")
     assert all(job_id in message for job_id in queued)
-    assert "squeue -j " in message and f"scontrol show job {queued[0]}" in message
+    # The two jobs are submitted concurrently: the file's order need not be the cluster's.
+    assert f"squeue -j {','.join(queued)}" in message or (
+        f"squeue -j {','.join(reversed(queued))}" in message
+    )
+    assert any(f"scontrol show job {job_id})" in message for job_id in queued)
     assert f"read their output in {logs}" in message
     assert "--worker-timeout" in message
     # Closing the cluster cancelled both jobs.
