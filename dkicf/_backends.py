@@ -17,12 +17,15 @@ driver in :mod:`dkicf.icf` a few collective operations:
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 
 from . import _chunk
 from .kernels import Kernel
+
+logger = logging.getLogger(__name__)
 
 
 class NumpyBackend:
@@ -213,18 +216,32 @@ class DaskBackend:
         self.n, self.d = X.shape
         self.input_chunks = tuple(int(c) for c in X.chunks[0])
         check_worker_memory(
-            self.client, self.input_chunks, self.d, X.dtype, capacity, store, persist
+            self.client, self.input_chunks, self.d, X.dtype, capacity, store, persist,
+            hold_x=persist,
         )
         # Consecutive row chunks are grouped into one task each, about one per
         # worker thread (as memory allows): the per-pass cost of the scheduler
         # grows with the number of tasks, not with their size.
-        sizes = work_chunks(self.client, self.input_chunks, self.d, X.dtype, capacity, store)
+        sizes = work_chunks(self.client, self.input_chunks, self.d, X.dtype, capacity, store,
+                            persist)
         input_starts = np.concatenate([[0], np.cumsum(self.input_chunks)]).astype(np.int64)
         if len(sizes) < len(self.input_chunks):
             X = X.rechunk({0: sizes})
         self.chunks = tuple(int(c) for c in X.chunks[0])
-        # What a task may spend on a block's kernel columns (see BlockSizer).
-        self.task_bytes = task_budget(*_worker_resources(self.client), self.n, store)
+        # What a task may spend on a block's kernel columns (see BlockSizer):
+        # a share of what the workers' own memory and the held states leave.
+        workers = _Workers.of(self.client)
+        if workers is None:
+            self.task_bytes = float("inf")
+        else:
+            held = held_bytes(
+                max(workers.rows(self.n), max(self.chunks)), self.d, X.dtype.itemsize,
+                capacity, persist, None if store is None else store.columns,
+            )
+            self.task_bytes = task_budget(
+                workers.limits, [workers.threads], self.n, store,
+                baseline=workers.baseline, held=held,
+            )
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
         first = np.searchsorted(input_starts, self.offsets[:-1])
         self._labels = [
@@ -248,6 +265,12 @@ class DaskBackend:
         # worker, rows shared in proportion to the workers' threads.  Later
         # tasks follow the states, so the passes stay balanced.
         self._home = _placement(self.client, self.chunks)
+        self._n_workers = len(_worker_resources(self.client)[0])
+        # Keys of tasks submitted with a preferred worker, whose preference is
+        # dropped once they have run (see _settle), and the watch of waiting
+        # passes (see _on_stall).
+        self._preferred: list[str] = []
+        self._deaths_at = self._paused_since = self._no_workers_since = None
         if persist:
             # Each chunk copied once into memory the worker allocated itself:
             # chunks unpickled from a transfer can sit in buffers that BLAS
@@ -259,6 +282,7 @@ class DaskBackend:
                 )
                 for j, r in enumerate(raw)
             ]
+            self._preferred += [f.key for f in self._x_futs]
             del raw
         self.step = 0
         self._events = _EventInbox(self.client, f"dkicf-icf-{self.token}")
@@ -270,6 +294,7 @@ class DaskBackend:
                 )
                 for j, off in enumerate(self.offsets[:-1])
             ]
+            self._preferred += [f.key for f in self.states]
         else:
             # Iterations are counted from the checkpoint on (keys, rebases, error messages).
             self.step = self._last_rebase = int(restore[1]["iteration"])
@@ -292,7 +317,115 @@ class DaskBackend:
             "stats", _chunk.chunk_stats, self.states, m, self._xs(), True,
             each=(True, False, True, False),
         )
-        return _merge_summaries(self.client.gather(futs), m)
+        return _merge_summaries(self._gather(futs), m)
+
+    def _wait(self, futures) -> None:
+        """Wait until ``futures`` are done (finished or failed).
+
+        Every :data:`_STALL_SECONDS` that they are not, tasks of this fit
+        stranded in the scheduler's ``no-worker`` state are sent to the
+        running workers, and the fit fails rather than wait for ever (see
+        :meth:`_on_stall`).
+        """
+        import asyncio
+
+        from distributed import wait
+
+        while True:
+            try:
+                with self.client.as_current():
+                    wait(futures, timeout=_STALL_SECONDS)
+                return
+            except (TimeoutError, asyncio.TimeoutError):
+                self._on_stall()
+
+    def _gather(self, futures) -> list:
+        """The results of ``futures`` (:meth:`_wait`, then gathered); settles preferences."""
+        self._wait(futures)
+        out = self.client.gather(futures)
+        self._settle()
+        return out
+
+    def _on_stall(self) -> None:
+        """While waiting for a pass: unstick stranded tasks, and fail rather than wait for ever.
+
+        Called every :data:`_STALL_SECONDS` of waiting (see :func:`_stall_report`).
+        The fit fails with :class:`~dkicf.errors.WorkerFailureError` when,
+        without the pass completing, workers died :func:`_deaths_allowed`
+        times, or no worker was left for :data:`_NO_WORKERS_SECONDS`, or a
+        worker that dask paused (memory over its pause threshold, which does
+        not go down) held the pass's tasks for :data:`_PAUSED_SECONDS`.
+        """
+        import time
+
+        try:
+            report = self.client.run_on_scheduler(_stall_report, token=self.token)
+        except Exception:  # best effort: the scheduler is busy or gone
+            return
+        if report["moved"]:
+            logger.warning(
+                "%d task(s) of the factorization waited for workers that are gone; "
+                "sent to the running workers", report["moved"],
+            )
+        now = time.monotonic()
+        if report["workers"]:
+            self._no_workers_since = None
+        elif self._no_workers_since is None:
+            self._no_workers_since = now
+        elif now - self._no_workers_since > _NO_WORKERS_SECONDS:
+            raise _workers_kept_dying(
+                f"the cluster has had no worker for {now - self._no_workers_since:.0f} s "
+                f"while the pass waited; the last to die: {report['last_death']}"
+            )
+        deaths, first = report["deaths"], self._deaths_at
+        if first is None or deaths < first:
+            self._deaths_at = deaths
+        elif deaths - first >= _deaths_allowed(max(self._n_workers, len(report["workers"]))):
+            raise _workers_kept_dying(
+                f"workers died or were restarted {deaths - first} times while the pass "
+                f"waited, without it completing; the last: {report['last_death']}"
+            )
+        if not report["paused"]:
+            self._paused_since = None
+            return
+        if self._paused_since is None:
+            self._paused_since = now
+        elif now - self._paused_since > _PAUSED_SECONDS:
+            from .errors import WorkerFailureError
+
+            key, address, memory, limit = report["paused"][0]
+            share = f"{memory / limit:.0%} of its memory limit of {_gib(limit)}" if limit else (
+                f"{_gib(memory)} of memory")
+            raise WorkerFailureError(
+                f"factorization stalled at iteration {self.step}: the task {key} it waits "
+                f"for has been held for {now - self._paused_since:.0f} s by worker "
+                f"{address}, which dask paused at {share} (its pause threshold) and whose "
+                "memory does not go down, so that no task runs there. The worker process "
+                f"itself uses about {_gib(worker_baseline(self.client))} of it. Give the "
+                "workers more memory (dkicf fit: --memory-limit), or add workers.",
+                "factorization", self.step,
+            )
+
+    def _settle(self) -> None:
+        """After a pass (or rebase) completed: drop the worker preferences of the tasks
+        that have run, and start the watch of :meth:`_on_stall` again.
+
+        A preference (``workers=[home], allow_other_workers=True``) only
+        places a chunk's first task.  Left on the task, it would strand the
+        task in the scheduler's ``no-worker`` state if it had to be
+        recomputed while no worker runs (every worker restarted at once, as
+        a nanny does to workers over their memory limit): the replacements
+        have new addresses, and the scheduler does not reconsider a task
+        preferring a gone worker when they join.
+        """
+        self._deaths_at = self._paused_since = self._no_workers_since = None
+        if not self._preferred:
+            return
+        keys, self._preferred = self._preferred, []
+        try:
+            self.client.run_on_scheduler(_drop_preferences, keys=keys)
+        except Exception:  # best effort; _stall_report covers what is left
+            pass
 
     def _xs(self) -> list:
         return [self._x(j) for j in range(len(self.states))]
@@ -330,7 +463,7 @@ class DaskBackend:
             )
             for j, pos in groups.items()
         ]
-        parts = self.client.gather(futs)
+        parts = self._gather(futs)
         b = index.shape[0]
         xr = np.empty((b, self.d))
         pr = np.empty((b, parts[0][2].shape[1]))
@@ -376,7 +509,10 @@ class DaskBackend:
             None if inbox is None else prefetch,
             each=(True, True, False, True, True, False),
         )
-        parts = None if inbox is None else inbox.collect(self.step, self.states)
+        parts = None if inbox is None else inbox.collect(
+            self.step, self.states, on_stall=self._on_stall
+        )
+        self._settle()
         if parts is None:
             summary = self.summary(m)
         else:
@@ -412,9 +548,10 @@ class DaskBackend:
                     key=f"icf-rebase-{self.token}-{self.step}-{j}", **where,
                 )
             )
-        from distributed import wait
-
-        wait(new)
+            if where:
+                self._preferred.append(new[-1].key)
+        self._wait(new)
+        self._settle()
         self.states = new
         self._last_rebase = self.step
 
@@ -435,6 +572,8 @@ class DaskBackend:
                     key=f"icf-{tag}-{self.token}-{self.step}-{j}", **where,
                 )
             )
+            if where:
+                self._preferred.append(out[-1].key)
         return out
 
     def rebase_from(self, spec: _chunk.StoreSpec, point: dict) -> None:
@@ -443,16 +582,15 @@ class DaskBackend:
         As in :meth:`_rebase`, a worker that still holds a state reuses it;
         a lost state is read back from the checkpoint instead of replayed.
         """
-        from distributed import wait
-
         new = self._restore_tasks(spec, point, previous=self.states)
-        wait(new)
+        self._wait(new)
+        self._settle()
         self.states = new
         self._last_rebase = self.step
 
     def _each_chunk(self, name: str, func, *args) -> None:
         futs = self._map(name, func, self.states, *args, each=(True,) + (False,) * len(args))
-        self.client.gather(futs)
+        self._gather(futs)
 
     def write_p(self, spec: _chunk.StoreSpec, start: int) -> None:
         """Every chunk writes its columns ``start:rank`` of P (its tail, if Zarr-backed)."""
@@ -486,7 +624,7 @@ class DaskBackend:
             [int(o) for o in self.offsets[:-1]], *args,
             each=(True, True, True) + (False,) * len(args),
         )
-        return self.client.gather(futs)
+        return self._gather(futs)
 
     def result_arrays(self, rank: int):
         import dask.array as da
@@ -583,14 +721,20 @@ class _EventInbox:
             self._got[(int(msg["step"]), int(msg["chunk"]))] = msg
             self._cond.notify_all()
 
-    def collect(self, step: int, futures: list, grace: float = 1.0) -> list[dict] | None:
-        """The summaries of ``step`` in chunk order, or None to fetch them with tasks."""
+    def collect(self, step: int, futures: list, grace: float = 1.0,
+                on_stall=None) -> list[dict] | None:
+        """The summaries of ``step`` in chunk order, or None to fetch them with tasks.
+
+        ``on_stall()`` is called every :data:`_STALL_SECONDS` that some of
+        ``futures`` are not finished (see :meth:`DaskBackend._on_stall`).
+        """
         import time
 
         if not self._subscribed:
             return None
         wanted = [(step, j) for j in range(len(futures))]
         done_since = None
+        stall_at = time.monotonic() + _STALL_SECONDS
         while True:
             with self._cond:
                 if all(k in self._got for k in wanted):
@@ -611,6 +755,9 @@ class _EventInbox:
                     return None
             else:
                 done_since = None
+                if on_stall is not None and time.monotonic() > stall_at:
+                    on_stall()
+                    stall_at = time.monotonic() + _STALL_SECONDS
 
     def close(self) -> None:
         """Unsubscribe, and drop the topic's events from the scheduler's log.
@@ -628,6 +775,111 @@ class _EventInbox:
             except Exception:  # pragma: no cover - client closed, or no remote functions
                 pass
             self._subscribed = False
+
+
+# Seconds of waiting for a pass's tasks between looks for stranded ones.
+_STALL_SECONDS = 5.0
+# Seconds a pass may wait on workers that dask paused before the fit fails.
+_PAUSED_SECONDS = 60.0
+# Seconds a pass may wait with no worker at all in the cluster (all died, none
+# came back) before the fit fails.
+_NO_WORKERS_SECONDS = 300.0
+
+
+def _deaths_allowed(n_workers: int) -> int:
+    """Worker deaths that a pass may see without completing before the fit fails.
+
+    As many as would fail one task with dask's ``allowed-failures`` on every
+    worker: a pass whose tasks keep killing their workers, each time a
+    different task (as workers over their memory limit do), fails like a
+    single task that does.
+    """
+    import dask
+
+    allowed = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
+    return (allowed + 1) * max(1, n_workers)
+
+
+_KEPT_DYING: list = []
+
+
+def _workers_kept_dying(message: str) -> Exception:
+    """A ``distributed.KilledWorker`` with ``message``: the factorization turns it into
+    its :class:`~dkicf.errors.WorkerFailureError` (stage, iteration, checkpoint)."""
+    if not _KEPT_DYING:
+        from distributed import KilledWorker
+
+        class WorkersKeptDying(KilledWorker):
+            """Workers kept dying while a pass waited, whichever tasks they ran."""
+
+            def __str__(self) -> str:
+                return str(self.args[0])
+
+        _KEPT_DYING.append(WorkersKeptDying)
+    return _KEPT_DYING[0](message, None, 0)
+
+
+def _drop_preferences(keys: list, dask_scheduler=None) -> int:
+    """On the scheduler: forget the preferred workers of these tasks (those that exist)."""
+    dropped = 0
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None and ts.loose_restrictions and ts.worker_restrictions:
+            ts.worker_restrictions = None
+            dropped += 1
+    return dropped
+
+
+def _stall_report(token: str, dask_scheduler=None) -> dict:
+    """On the scheduler: unstick this fit's stranded tasks; report what a waiting pass faces.
+
+    A task that only prefers a worker (``allow_other_workers=True``) and
+    becomes runnable while no worker is running waits in ``no-worker``; the
+    scheduler reconsiders such tasks when a worker joins, but only for that
+    worker's address, so a task preferring a worker that died waits for
+    ever once the replacements (new addresses) have joined.  Their
+    preference is dropped and they are scheduled like any other task
+    (``moved``: how many).  ``paused``: ``(key, worker, process memory,
+    memory limit)`` for the fit's tasks that wait on a paused worker, or
+    for none running at all.  ``deaths``: how many workers the scheduler
+    has lost unexpectedly (killed, restarted), ``last_death`` the last;
+    ``workers``: the workers' addresses.
+    """
+    import time
+
+    from distributed.core import Status
+
+    s = dask_scheduler
+    mine = [ts for ts in list(s.unrunnable) if token in str(ts.key)]
+    moved = 0
+    if s.running:
+        stuck = [ts for ts in mine if ts.loose_restrictions]
+        for ts in stuck:
+            ts.worker_restrictions = None
+        if stuck:
+            s.transitions({ts.key: "processing" for ts in stuck},
+                          stimulus_id=f"dkicf-unstrand-{time.time()}")
+        moved = len(stuck)
+    paused = []
+    for ws in s.workers.values():
+        if ws.status != Status.paused:
+            continue
+        waiting = [ts for ts in ws.processing if token in str(ts.key)]
+        if waiting or (mine and not s.running):
+            key = (waiting or mine)[0].key
+            paused.append((str(key), ws.address, int(ws.memory.process),
+                           int(ws.memory_limit or 0)))
+    deaths, last = 0, None
+    try:
+        events = s.get_events("all")
+    except Exception:  # pragma: no cover - a scheduler without an event log
+        events = ()
+    for _, msg in events:
+        if (isinstance(msg, dict) and msg.get("action") == "remove-worker"
+                and not msg.get("expected", False)):
+            deaths, last = deaths + 1, msg.get("worker")
+    return {"moved": moved, "paused": paused, "deaths": deaths, "last_death": last,
+            "workers": list(s.workers)}
 
 
 def _drop_topic(topic: str, dask_scheduler=None) -> bool:
@@ -685,79 +937,460 @@ def _own_copy(x) -> np.ndarray:
 
 def _worker_resources(client) -> tuple[list[int], list[int]]:
     """Memory limits (0: none) and thread counts of the cluster's workers."""
-    try:
-        info = client.scheduler_info(n_workers=-1)  # every worker, not only the first few
-    except TypeError:  # distributed < 2025: all workers by default
-        info = client.scheduler_info()
+    info = _scheduler_info(client)
     workers = list(info.get("workers", {}).values())
     return ([int(w.get("memory_limit") or 0) for w in workers],
             [int(w.get("nthreads") or 1) for w in workers])
 
 
+def _scheduler_info(client) -> dict:
+    try:
+        return client.scheduler_info(n_workers=-1)  # every worker, not only the first few
+    except TypeError:  # distributed < 2025: all workers by default
+        return client.scheduler_info()
+
+
+# ------------------------------------------------------------------ memory accounting
+#
+# What a worker must fit below the fraction ``f`` of its memory limit ``L``
+# at which dask spills or pauses (worker_memory_fraction):
+#
+# * its own memory ``B`` before any data of the fit: the interpreter, dask,
+#   numpy, zarr and dkicf themselves (about 150 MiB), measured on the workers
+#   by worker_baseline();
+# * the chunk states it holds between passes (held_bytes, for the rows of the
+#   worker: rows are placed in proportion to the workers' threads);
+# * the buffers of the tasks it runs at once, one per thread
+#   (task_transient): X as read and in float64, a residual and a product, and
+#   with P in Zarr the tail grown by a block and the flushed columns streamed
+#   from Zarr.
+#
+# The tasks may use at most _TASK_SHARE of what the held states leave of the
+# room ``f * L - B`` (memory_fits); the rest is for the kernel values of a
+# pivot block (task_budget) and slack.
+
 # Fraction of the cluster's memory that the states of a Zarr-backed P may hold
-# between passes (residual diagonal, its spare buffer, kernel row terms, tail).
+# between passes (four vectors and one tail per row): an upper bound on its
+# Zarr chunk width besides what the workers' room allows (zarr_width).
 _STORE_HOLD_FRACTION = 0.5
-# Float64 vectors of n rows that a state holds besides its tail of P.
+# Share of a worker's free room (room less held states) that the tasks running
+# at once may use for their buffers.
+_TASK_SHARE = 0.75
+# Share of that free room, per thread, for the buffers of one group of chunks
+# (work_chunks).
+_GROUP_SHARE = 0.5
+# Fraction of a thread's share of the free room that the kernel values of one
+# pivot block may take (task_budget, BlockSizer).
+_GROUP_MEMORY_FRACTION = 0.25
+# Float64 vectors of n rows that a Zarr-backed state holds besides its tail of
+# P (residual diagonal, its spare buffer, kernel row terms, a squared-norm buffer).
 _STATE_VECTORS = 4
+# Rows of a Zarr chunk of P at most (checkpoint.p_rows_for): a streamed tile
+# of flushed columns holds whole Zarr chunks of rows.
+_P_ROWS = 8192
+# Seconds during which one measurement of the workers is reused: the plan and
+# the checks of one fit then see the same figures.
+_BASELINE_TTL = 60.0
+_BASELINES: dict = {}
+# Modules whose import a fit's tasks pay on a worker (part of its own memory).
+_TASK_MODULES = ("dkicf._chunk", "dkicf.pivoting", "dkicf.io", "dkicf.kmeans", "zarr")
+_THRESHOLDS = ("target", "spill", "pause", "terminate")
+
+
+def _smallest_threshold(values) -> float:
+    """The smallest of dask's memory thresholds that are set (1.0 if none is)."""
+    return min((float(v) for v in values if v is not None and v is not False), default=1.0)
+
+
+def _probe(dask_worker=None) -> dict:
+    """On a worker: its own memory and memory thresholds, after importing what tasks import.
+
+    Run with ``client.run``.  ``own``: resident memory less dask's data, that
+    is the worker process itself (interpreter, libraries, allocator and BLAS
+    buffers) and anything it holds outside dask's accounting.
+    ``fraction``: the smallest of the worker's target, spill and pause
+    fractions and of the terminate fraction in its configuration.
+    """
+    import importlib
+
+    import dask
+    import psutil
+
+    for name in _TASK_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # pragma: no cover - a worker without an optional module
+            pass
+    rss = psutil.Process().memory_info().rss
+    managed = getattr(getattr(dask_worker, "state", None), "nbytes", 0)
+    manager = getattr(dask_worker, "memory_manager", None)
+    values = [dask.config.get(f"distributed.worker.memory.{name}", None) for name in _THRESHOLDS]
+    if manager is not None:
+        values[:3] = [getattr(manager, f"memory_{name}_fraction", values[k])
+                      for k, name in enumerate(_THRESHOLDS[:3])]
+    return {"own": int(max(rss - (managed if isinstance(managed, int) else 0), 0)),
+            "fraction": _smallest_threshold(values)}
+
+
+def _reported_baseline(info: dict) -> int:
+    """The largest unmanaged memory (process less managed data) the workers last reported."""
+    found = []
+    for w in info.get("workers", {}).values():
+        metrics = w.get("metrics") or {}
+        if "memory" in metrics:
+            found.append(int(metrics["memory"]) - int(metrics.get("managed_bytes") or 0))
+    return max([max(v, 0) for v in found], default=0)
+
+
+def _measure(client) -> dict:
+    """``{"own": bytes or None, "fraction": float or None, "info": scheduler info}``.
+
+    Measured on the workers with :func:`_probe`, and reused for
+    :data:`_BASELINE_TTL` seconds while the workers stay the same.
+    """
+    import time
+
+    info = _scheduler_info(client)
+    workers = tuple(sorted(info.get("workers", {})))
+    run = getattr(client, "run", None)
+    if run is None or not workers:
+        return {"own": None, "fraction": None, "info": info}
+    now = time.monotonic()
+    for key in [k for k, (t, _) in _BASELINES.items() if now - t > _BASELINE_TTL]:
+        del _BASELINES[key]
+    key = (id(client), workers)
+    if key not in _BASELINES:
+        try:
+            found = run(_probe)
+        except Exception:  # a worker that left meanwhile, or remote functions refused
+            found = {}
+        probes = [v for v in found.values() if isinstance(v, dict)]
+        _BASELINES[key] = (now, {
+            "own": max((int(v["own"]) for v in probes), default=None),
+            "fraction": min((float(v["fraction"]) for v in probes), default=None),
+        })
+    return {**_BASELINES[key][1], "info": info}
+
+
+def worker_baseline(client) -> int:
+    """Bytes of memory that the largest worker process uses before holding any of a fit's data.
+
+    Measured on every worker (``client.run``) after importing the modules
+    that the fit's tasks import: resident memory less the data dask manages
+    there.  A dask worker with numpy, zarr and dkicf loaded uses about
+    150 MiB this way.  Falls back to the unmanaged memory that the workers
+    last reported to the scheduler, then to 0.  One measurement is reused
+    for :data:`_BASELINE_TTL` seconds while the workers stay the same, so
+    that a fit's plan and its checks agree.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        The cluster's client (anything with ``scheduler_info``; ``run`` if it has one).
+
+    Returns
+    -------
+    int
+        Bytes, the largest over the workers.
+    """
+    found = _measure(client)
+    return found["own"] if found["own"] is not None else _reported_baseline(found["info"])
+
+
+def worker_memory_fraction(client) -> float:
+    """Fraction of the workers' memory limit that a fit may fill on this cluster.
+
+    :func:`usable_memory_fraction` when this process's dask configuration
+    sets the workers' memory thresholds otherwise than distributed's
+    defaults (an explicit choice); else the smallest threshold that the
+    workers themselves use, measured with :func:`worker_baseline` (they may
+    have been configured otherwise than this process); else
+    :func:`usable_memory_fraction`.
+
+    Parameters
+    ----------
+    client : distributed.Client
+
+    Returns
+    -------
+    float
+    """
+    driver = usable_memory_fraction()
+    if _configured_here():
+        return driver
+    measured = _measure(client)["fraction"]
+    return driver if measured is None else measured
+
+
+def _configured_here() -> bool:
+    """Whether this process sets a worker memory threshold otherwise than distributed's default."""
+    import dask
+
+    for name in _THRESHOLDS:
+        key = f"distributed.worker.memory.{name}"
+        default = None
+        for defaults in dask.config.defaults:
+            node = defaults
+            for part in key.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None:
+                default = node
+        if default is not None and dask.config.get(key, None) != default:
+            return True
+    return False
+
+
+class _Workers:
+    """The figures of a cluster's workers that the memory accounting uses.
+
+    ``limit`` is the smallest worker's memory limit, ``threads`` the most
+    threads of a worker, ``share`` the largest fraction of the cluster's
+    threads on one worker (its fraction of the rows), ``baseline`` the
+    largest worker's own memory and ``fraction`` the share of a limit that
+    a fit may fill (:func:`worker_memory_fraction`).
+    """
+
+    def __init__(self, limits, threads, baseline: int, fraction: float | None = None):
+        self.limits = [int(v) for v in limits]
+        self.limit = min(self.limits)
+        self.count = len(self.limits)
+        self.threads = max(1, max(threads))
+        self.share = self.threads / max(sum(threads), 1)
+        self.baseline = int(baseline)
+        self.fraction = usable_memory_fraction() if fraction is None else fraction
+
+    @classmethod
+    def of(cls, client) -> _Workers | None:
+        """The cluster's figures, or None when a worker has no memory limit."""
+        limits, threads = _worker_resources(client)
+        if not limits or not all(v > 0 for v in limits):
+            return None
+        return cls(limits, threads, worker_baseline(client), worker_memory_fraction(client))
+
+    @property
+    def room(self) -> float:
+        """Bytes of a worker's memory that the fit may fill: ``fraction * limit - baseline``."""
+        return self.fraction * self.limit - self.baseline
+
+    def rows(self, n: int) -> int:
+        """Rows of ``n`` that the busiest worker holds (rows follow threads)."""
+        return min(int(n), math.ceil(n * self.share))
+
+    def threshold(self) -> tuple[str, str]:
+        """``("60% of", ", at which dask ...")``: how messages name the usable fraction."""
+        if self.fraction >= 1:
+            return "all of", ""
+        return (f"{self.fraction:.0%} of",
+                ", at which dask starts spilling to disk or pausing the worker")
+
+
+def usable_memory_fraction() -> float:
+    """Fraction of a worker's memory limit that a fit may fill.
+
+    The smallest of dask's worker memory thresholds that are set (``target``
+    and ``spill``, at which a worker spills data to disk, ``pause`` and
+    ``terminate``; 0.6 by default), as configured in the driver's process
+    (the workers of a cluster started elsewhere may be configured otherwise).
+    Consecutive states of a chunk share their buffers, so spilling one frees
+    nothing: it only pickles P to disk, seconds per pass, and a worker that
+    passes ``pause`` stops running tasks.  The workers' own memory
+    (:func:`worker_baseline`) counts against it too.  For a cluster, see
+    :func:`worker_memory_fraction`: the thresholds the workers use when this
+    process does not set them.
+    """
+    import dask
+
+    try:  # dask reads distributed's defaults when it is imported
+        import distributed  # noqa: F401
+    except ImportError:  # pragma: no cover - distributed is a dependency
+        pass
+    return _smallest_threshold(
+        dask.config.get(f"distributed.worker.memory.{name}", None) for name in _THRESHOLDS)
+
+
+def held_bytes(n: int, d: int, itemsize: int, capacity: int, persist: bool,
+               columns: int | None = None) -> int:
+    """Bytes that the chunk states of ``n`` rows hold in worker memory between passes.
+
+    With P in memory (``columns=None``): its ``capacity`` columns and three
+    vectors.  With P in Zarr: :data:`_STATE_VECTORS` vectors and two tails of
+    ``columns`` columns (after a flush, the state before it keeps the old
+    tail until the next pass).  With ``persist``, X as stored too.
+    """
+    x = n * d * itemsize if persist else 0
+    if columns is None:
+        return n * (8 * capacity + 8 * 3) + x
+    return n * 8 * (_STATE_VECTORS + 2 * columns) + x
+
+
+def stream_bytes(rows: int, capacity: int, p_rows: int = _P_ROWS) -> int:
+    """Bytes of flushed columns of P that a task of ``rows`` rows reads from Zarr at once.
+
+    Tiles of about ``_chunk._STREAM_BYTES``, but never less than one Zarr
+    chunk of ``p_rows`` rows by every flushed column (fewer than ``capacity``),
+    nor more than the task's rows.
+    """
+    tile = max(_chunk._STREAM_BYTES, 8 * p_rows * capacity)
+    return int(min(8 * rows * capacity, tile))
+
+
+def task_transient(rows: int, d: int, itemsize: int, columns: int | None = None,
+                   stream: int = 0) -> int:
+    """Bytes that one task of a pass over ``rows`` rows allocates besides the held states.
+
+    X as read and in float64, a residual vector and a product; with P in
+    Zarr (``columns`` per Zarr chunk) also the tail grown by a pivot block
+    before its full columns are flushed, and ``stream`` bytes of flushed
+    columns read from Zarr (:func:`stream_bytes`).  The kernel values of a
+    block are budgeted apart (:func:`task_budget`).
+    """
+    per_row = d * (itemsize + 8) + 8 * 2
+    if columns is None:
+        return rows * per_row
+    return rows * (per_row + 8 * columns) + int(stream)
+
+
+def memory_fits(room: float, held: float, threads: int, transient: float) -> bool:
+    """Whether states holding ``held`` bytes and ``threads`` tasks of ``transient`` bytes
+    fit a worker's ``room`` (``fraction * limit - baseline``): the tasks within
+    :data:`_TASK_SHARE` of what the states leave."""
+    free = room - held
+    return free > 0 and threads * transient <= _TASK_SHARE * free
+
+
+def largest_rows(fits, hi: int) -> int:
+    """The largest ``r`` in ``[1, hi]`` with ``fits(r)`` (monotone: fewer rows fit
+    better), or 0 if none does."""
+    lo, hi = 0, int(hi)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def store_width(room: float, rows: int, threads: int, cap: int,
+                p_rows: int = _P_ROWS) -> int:
+    """Columns per Zarr chunk of P that a worker holding ``rows`` rows can afford (0: none).
+
+    The largest ``cb <= cap`` for which the held states (:func:`held_bytes`)
+    and one task per thread over all the worker's rows (their tails grown and
+    the flushed columns streamed, X left out) fit ``room``
+    (:func:`memory_fits`).
+    """
+    per_task = max(1, math.ceil(rows / max(threads, 1)))
+
+    def fits(cb: int) -> bool:
+        stream = stream_bytes(per_task, cap, p_rows)
+        transient = per_task * (8 * 2 + 8 * cb) + stream
+        return memory_fits(room, held_bytes(rows, 0, 8, cap, False, cb), threads, transient)
+
+    return largest_rows(fits, cap)
+
+
+def zarr_width(workers: _Workers, n: int, cap: int) -> int:
+    """Columns per Zarr chunk of P for ``n`` rows on these workers (0: none fits).
+
+    :func:`store_width` for the busiest worker's rows, and at most what
+    keeps the tails and vectors of all rows within
+    :data:`_STORE_HOLD_FRACTION` of the cluster's memory.
+    """
+    cb = store_width(workers.room, workers.rows(n), workers.threads, cap)
+    hold = _STORE_HOLD_FRACTION * workers.limit * workers.count
+    return max(0, min(cb, int((hold - 8 * _STATE_VECTORS * n) // (8 * max(n, 1)))))
+
+
+def least_limit(workers: _Workers, n: int, cap: int) -> float:
+    """Smallest memory limit per worker at which P in Zarr fits ``n`` rows (a column a chunk)."""
+    rows = workers.rows(n)
+    per_task = max(1, math.ceil(rows / workers.threads))
+    stream = stream_bytes(per_task, cap)
+    held = held_bytes(rows, 0, 8, cap, False, 1)
+    transient = per_task * (8 * 2 + 8) + stream
+    room = held + workers.threads * transient / _TASK_SHARE
+    hold = 8 * (_STATE_VECTORS + 1) * n / (_STORE_HOLD_FRACTION * workers.count)
+    return max((room + workers.baseline) / workers.fraction, hold)
 
 
 def store_columns(client, n: int, capacity: int, largest: int) -> int:
     """Columns per Zarr chunk of P when P lives in Zarr: as many as memory allows.
 
     Between passes every chunk keeps fewer than this many columns of P in
-    memory (its tail), besides a few vectors of its rows.  The width is the
-    largest, up to ``largest``, whose tails over all ``n`` rows fit in
-    :data:`_STORE_HOLD_FRACTION` of the cluster's memory, rows spread evenly
-    over the workers.  Without memory limits it is ``largest``.
+    memory (its tail, twice after a flush), besides a few vectors of its
+    rows, and a task grows its tail by a pivot block and streams the
+    flushed columns.  The width is the largest, up to ``largest``, for
+    which all that fits what the workers' own memory leaves below dask's
+    spill threshold (:func:`zarr_width`).  Without memory limits it is
+    ``largest``.
+
+    Raises
+    ------
+    ValueError
+        When even one column per chunk does not fit: the message says how
+        much memory a worker needs at least.
     """
-    limits, _ = _worker_resources(client)
     cap = max(1, min(largest, capacity))
-    if not limits or not all(limits):
+    workers = _Workers.of(client)
+    if workers is None:
         return cap
-    budget = _STORE_HOLD_FRACTION * min(limits) * len(limits)
-    fixed = 8 * _STATE_VECTORS * n
-    cb = int((budget - fixed) // (8 * n))
+    rows = workers.rows(n)
+    cb = zarr_width(workers, n, cap)
     if cb < 1:
-        need = (fixed + 8 * n) / _STORE_HOLD_FRACTION
+        need = least_limit(workers, n, cap)
+        threshold, where = workers.threshold()
         raise ValueError(
-            f"{n} rows need about {_gib(need)} of worker memory in all even with P in Zarr "
-            f"(the residual diagonal and a column of P per row), more than the cluster's "
-            f"{_gib(min(limits) * len(limits))}. Add workers or give them more memory."
+            f"{n} rows need about {_gib(need)} of memory per worker even with P in Zarr "
+            f"({rows} rows on the busiest of {workers.count} workers: the residual diagonal "
+            f"and a column of P per row, the flushed columns streamed, and "
+            f"{_gib(workers.baseline)} for the worker process itself), so that they stay "
+            f"below {threshold} the smallest worker's memory limit of "
+            f"{_gib(workers.limit)}{where}. Add workers or give them more memory "
+            f"(at least {_gib(need)} each)."
         )
     return min(cb, cap)
 
 
-# Fraction of a worker thread's share of memory that one grouped task may hold.
-_GROUP_MEMORY_FRACTION = 0.25
+def task_budget(limits, threads, n: int, store, *, baseline: int = 0,
+                held: float | None = None) -> float:
+    """Bytes the kernel values of one task's pivot block may take.
 
-
-def task_budget(limits, threads, n: int, store) -> float:
-    """Bytes one task of a pass may hold: a quarter of a thread's share of memory.
-
-    The share is of the smallest worker's limit, less, with P in Zarr, what
-    every worker holds between passes (its rows' tails of P and vectors, see
-    :func:`store_columns`).  Infinite without memory limits.
+    :data:`_GROUP_MEMORY_FRACTION` of a thread's share of what the smallest
+    worker has free: :func:`usable_memory_fraction` of its limit, less its
+    own memory ``baseline`` and ``held``, the states it holds between passes
+    (by default, with ``store``, its rows' vectors and tails of P, see
+    :func:`held_bytes`).  Infinite without memory limits.
     """
     known = [lim for lim in limits if lim > 0]
     if not known:
         return float("inf")
-    free = min(known)
-    if store is not None:
-        held = 8 * (_STATE_VECTORS + store.columns) * n / max(len(limits), 1)
-        free = max(free - held, 0.25 * free)
-    return _GROUP_MEMORY_FRACTION * free / max(threads)
+    workers = _Workers(known, list(threads) or [1], baseline)
+    if held is None:
+        held = 0.0 if store is None else held_bytes(
+            workers.rows(n), 0, 8, store.columns, False, store.columns)
+    free = max(workers.room - held, 0.0)
+    return _GROUP_MEMORY_FRACTION * free / workers.threads
 
 
-def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[int, ...]:
+def _p_rows(chunks) -> int:
+    """Rows per Zarr chunk of P for these row chunks (see checkpoint.p_rows_for)."""
+    from .checkpoint import p_rows_for
+
+    return p_rows_for(tuple(int(c) for c in chunks)) or int(max(chunks))
+
+
+def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
+                hold_x: bool = False) -> tuple[int, ...]:
     """Row counts of the tasks of one pass: consecutive chunks of X grouped.
 
-    About one group per worker thread, each holding at most a quarter of a
-    thread's share of the smallest worker's memory (X in float64 and as
-    stored, P's columns in memory, a few vectors), never splitting a chunk.
-    With P in Zarr, the share is of the memory that the states held between
-    passes leave free.
-    With P in Zarr the groups stay aligned with its Zarr chunks, whose rows
-    divide every chunk of X.
+    About one group per worker thread, each allocating at most
+    :data:`_GROUP_SHARE` of a thread's share of what the smallest worker
+    has free once its own memory and the states it holds (P's columns or
+    tails, vectors, X with ``hold_x``) are counted (see
+    :func:`task_transient`), never splitting a chunk.  With P in Zarr the
+    groups stay aligned with its Zarr chunks, whose rows divide every chunk
+    of X.
     """
     chunks = tuple(int(c) for c in chunks)
     limits, threads = _worker_resources(client)
@@ -765,11 +1398,22 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[in
     m = len(chunks)
     if m <= n_threads:
         return chunks
-    width = capacity if store is None else store.columns
-    per_row = 8 * d + np.dtype(dtype).itemsize * d + 8 * width + 8 * 6
+    itemsize = np.dtype(dtype).itemsize
+    columns = None if store is None else store.columns
     starts = np.concatenate([[0], np.cumsum(chunks)])
-    n = starts[-1]
-    budget = task_budget(limits, threads, n, store)
+    n = int(starts[-1])
+    workers = _Workers.of(client)
+    transient = None
+    if workers is not None:
+        held = held_bytes(max(workers.rows(n), max(chunks)), d, itemsize, capacity,
+                          hold_x, columns)
+        budget = _GROUP_SHARE * max(workers.room - held, 0.0) / workers.threads
+        p_rows = _p_rows(chunks) if store is not None else _P_ROWS
+
+        def transient(rows):
+            stream = stream_bytes(rows, capacity, p_rows) if store is not None else 0
+            return task_transient(rows, d, itemsize, columns, stream)
+
     for g in range(n_threads, m + 1):
         # Cut at the chunk boundaries nearest to equal shares of rows.
         t = np.arange(1, g) * n / g
@@ -778,80 +1422,90 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store) -> tuple[in
         cuts = np.unique(np.concatenate([[0], near, [m]]))
         sizes = np.diff(starts[cuts])
         sizes = sizes[sizes > 0]
-        if sizes.max() * per_row <= budget or len(sizes) >= m:
+        if len(sizes) >= m or transient is None or transient(int(sizes.max())) <= budget:
             return tuple(int(v) for v in sizes)
     return chunks
 
 
-def usable_memory_fraction() -> float:
-    """Fraction of a worker's memory limit that chunk states may fill.
+def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool,
+                        *, hold_x: bool | None = None):
+    """Refuse, before any work, a fit whose data cannot fit in the workers' memory.
 
-    The smallest of dask's worker memory thresholds that are set (``target``
-    and ``spill``, at which a worker spills data to disk, ``pause`` and
-    ``terminate``; 0.6 by default), as configured in the driver's process
-    (the workers of a cluster started elsewhere may be configured otherwise).
-    Consecutive states of a chunk share their buffers, so spilling one frees
-    nothing: it only pickles P to disk, seconds per pass, and a worker that
-    passes ``pause`` stops running tasks.
+    A worker holds its own memory (:func:`worker_baseline`), the chunk
+    states of its rows between passes (:func:`held_bytes`: P's columns, or
+    with ``store`` only tails of them, vectors, and X if held) and the
+    buffers of one task per thread (:func:`task_transient`); all of it must
+    fit below the :func:`worker_memory_fraction` of the smallest worker's
+    limit (:func:`memory_fits`).  The message says what to change: smaller
+    row chunks, P in Zarr, or more memory.  ``hold_x`` says whether X is
+    held in worker memory (default: ``persist`` with P in memory; a
+    Zarr-backed fit's caller says so itself).
     """
-    import dask
-
-    fractions = []
-    for name in ("target", "spill", "pause", "terminate"):
-        value = dask.config.get(f"distributed.worker.memory.{name}", None)
-        if value is not None and value is not False:
-            fractions.append(float(value))
-    return min(fractions, default=1.0)
-
-
-def held_bytes(n: int, d: int, itemsize: int, capacity: int, persist: bool) -> int:
-    """Bytes that the chunk states of ``n`` rows (P in memory at ``capacity``
-    columns and their vectors) and, with ``persist``, X hold in worker memory."""
-    return n * (8 * capacity + 8 * 3) + (n * d * itemsize if persist else 0)
-
-
-def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool):
-    """Refuse, before any work, a row chunk that cannot fit in a worker's memory.
-
-    A task holds the chunk of X (as given and in float64), the chunk's state
-    (its rows of P, or only a one-block tail with ``store``), a few vectors,
-    and with ``store`` the group of flushed columns it streams; all of it
-    must fit below the :func:`usable_memory_fraction` of the smallest
-    worker's limit.  A P that cannot fit in that fraction of the whole
-    cluster's memory is refused too, with the suggestion to keep it in Zarr.
-    """
-    limits, _ = _worker_resources(client)
-    limits = [m for m in limits if m > 0]
-    if not limits:
+    workers = _Workers.of(client)
+    if workers is None:
         return
-    fraction = usable_memory_fraction()
-    threshold = f"{fraction:.0%} of" if fraction < 1 else "all of"
+    itemsize = np.dtype(dtype).itemsize
+    hold_x = (persist and store is None) if hold_x is None else hold_x
+    columns = None if store is None else store.columns
     rows = max(chunks)
-    width = capacity if store is None else store.columns
-    per_row = 8 * d + np.dtype(dtype).itemsize * d + 8 * width + 8 * 6
-    need = rows * per_row + (_chunk._STREAM_BYTES if store is not None else 0)
-    smallest = min(limits)
-    where = (", at which dask starts spilling to disk or pausing the worker"
-             if fraction < 1 else "")
-    if need > fraction * smallest:
-        j = int(np.argmax(chunks))
-        fit = max(1, int(0.5 * (fraction * smallest - (need - rows * per_row)) // per_row))
-        raise ValueError(
-            f"row chunk {j} of X ({rows} rows) needs about {_gib(need)} in one task "
-            f"(X rows in float64 plus {width} columns of P), more than {threshold} the "
-            f"smallest worker's memory limit of {_gib(smallest)}{where}. Use "
-            f"X.rechunk({{0: {fit}}}) or larger workers."
-        )
     n = int(sum(chunks))
+    share = workers.rows(n)
+    p_rows = _p_rows(chunks) if store is not None else _P_ROWS
+
+    def transient(r: int) -> int:
+        stream = stream_bytes(r, capacity, p_rows) if store is not None else 0
+        return task_transient(r, d, itemsize, columns, stream)
+
+    def held(r: int) -> int:
+        return held_bytes(max(share, r), d, itemsize, capacity, hold_x, columns)
+
+    room, T = workers.room, workers.threads
+    if memory_fits(room, held(rows), T, transient(rows)):
+        return
+    threshold, where = workers.threshold()
+    own = _gib(workers.baseline)
+    if room <= 0:
+        raise ValueError(
+            f"the dask workers use about {own} each before holding any data (the worker "
+            f"process and the libraries a fit imports), more than {threshold} the smallest "
+            f"worker's memory limit of {_gib(workers.limit)}{where}. Give the workers more "
+            "memory."
+        )
+
+    def alone(r: int) -> bool:  # a worker holding this chunk's state only
+        state = held_bytes(r, d, itemsize, capacity, hold_x, columns)
+        return memory_fits(room, state, T, transient(r))
+
+    if not alone(rows) or memory_fits(room, held(1), T, transient(1)):
+        # The chunk itself is too large: name it and say how small to make it.
+        j = int(np.argmax(chunks))
+        fit = largest_rows(lambda r: memory_fits(room, held(r), T, transient(r)), rows)
+        fit = fit or largest_rows(alone, rows)
+        need = workers.baseline + held_bytes(rows, d, itemsize, capacity, hold_x, columns) + (
+            T * transient(rows))
+        raise ValueError(
+            f"row chunk {j} of X ({rows} rows) needs about {_gib(need)} on its worker "
+            f"(X rows in float64, {capacity if store is None else columns} columns of P "
+            f"per row, and {own} for the worker process itself), more than {threshold} the "
+            f"smallest worker's memory limit of {_gib(workers.limit)}{where}. Use "
+            f"X.rechunk({{0: {max(1, fit // 2)}}}) or larger workers."
+        )
+    total = workers.count * (workers.baseline + held(1) + T * transient(1))
     if store is None:
-        total = held_bytes(n, d, np.dtype(dtype).itemsize, capacity, persist)
-        if total > fraction * sum(limits):
-            raise ValueError(
-                f"P ({n} x {capacity} float64) and the data held in worker memory need about "
-                f"{_gib(total)}, more than {threshold} the cluster's {_gib(sum(limits))}{where}. "
-                "Pass p_store='path-or-url.zarr' to keep P in Zarr (and persist=False to "
-                "re-read X), or add workers or memory."
-            )
+        raise ValueError(
+            f"P ({n} x {capacity} float64) and the data held in worker memory need about "
+            f"{_gib(total)} with the worker processes' own {own} each, more than {threshold} "
+            f"the cluster's {_gib(sum(workers.limits))}{where}. Pass p_store='path-or-url.zarr' "
+            "to keep P in Zarr (and persist=False to re-read X), or add workers or memory."
+        )
+    raise ValueError(
+        f"{n} rows need about {_gib(total)} of worker memory in all even with P in Zarr "
+        f"({columns} columns a chunk, the residual diagonal, the flushed columns streamed"
+        f"{', X held' if hold_x else ''} and the worker processes' own {own} each), more "
+        f"than {threshold} the cluster's {_gib(sum(workers.limits))}{where}. "
+        + ("Pass persist=False to re-read X, or add " if hold_x else "Add ")
+        + "workers or give them more memory."
+    )
 
 
 def _gib(nbytes: float) -> str:

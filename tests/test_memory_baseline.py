@@ -1,0 +1,376 @@
+"""Memory accounting with the workers' own memory, and fits that fail instead of hanging.
+
+A dask worker process uses about 150 MiB before it holds any data; a fit
+planned as if that memory were free filled its workers past their limit,
+and the restarted workers then left tasks waiting for ever.
+"""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import dask.array as da
+import numpy as np
+import pytest
+
+from dkicf import _backends, _chunk, incomplete_cholesky
+from dkicf.errors import WorkerFailureError
+from dkicf.pipeline import plan_fit
+
+MiB = 2**20
+
+
+class FakeClient:
+    """What the accounting asks of a client, with the unmanaged memory the workers reported."""
+
+    def __init__(self, n_workers, limit, own=None, threads=1):
+        self.workers = {}
+        for k in range(n_workers):
+            w = {"memory_limit": limit, "nthreads": threads}
+            if own is not None:
+                w["metrics"] = {"memory": own, "managed_bytes": 0}
+            self.workers[f"tcp://w{k}"] = w
+
+    def scheduler_info(self, n_workers=-1):
+        return {"workers": self.workers}
+
+
+@pytest.fixture(scope="module")
+def own_cluster():
+    """Two worker processes under nannies, for tests that kill or pause them."""
+    from dkicf import local_cluster
+
+    client = local_cluster(2, 1, memory_limit="1GiB")
+    yield client
+    cluster = client.cluster
+    client.close()
+    cluster.close()
+
+
+def test_the_workers_own_memory_is_measured_on_them(client):
+    import psutil
+
+    _backends._BASELINES.clear()
+    measured = _backends.worker_baseline(client)
+
+    def unmanaged(dask_worker):
+        return psutil.Process().memory_info().rss - dask_worker.state.nbytes
+
+    reference = max(client.run(unmanaged).values())
+    # The interpreter, dask, numpy, zarr and dkicf: far from nothing.
+    assert 40 * MiB < measured < 2**30
+    assert abs(measured - reference) < 32 * MiB, (measured, reference)
+    # Without remote functions: the unmanaged memory the workers reported.
+    assert _backends.worker_baseline(FakeClient(2, 2**30, own=123 * MiB)) == 123 * MiB
+    assert _backends.worker_baseline(FakeClient(2, 2**30)) == 0
+
+
+def test_the_workers_own_thresholds_apply_unless_set_here(client):
+    import dask
+
+    _backends._BASELINES.clear()
+    assert _backends.worker_memory_fraction(client) == 0.6  # the workers' defaults
+    with dask.config.set({"distributed.worker.memory.target": False,
+                          "distributed.worker.memory.spill": 0.85}):
+        assert _backends.worker_memory_fraction(client) == 0.8  # set here: pause at 80%
+
+
+def test_a_fit_that_cannot_fit_is_refused_by_the_plan_naming_the_limit_needed():
+    """The reported case: a million rows at rank 100 on two workers of 300 or 200 MiB."""
+    own = 142 * MiB
+    kw = dict(n_workers=2, threads_per_worker=1, worker_baseline=own)
+    with pytest.raises(MemoryError) as info:
+        plan_fit((10**6, 2), 250_000, 8, 100, worker_memory=300 * MiB, **kw)
+    message = str(info.value)
+    assert "the workers have 300 MiB" in message and "142 MiB, measured" in message
+    need = int(re.search(r"--memory-limit (\d+)MiB or more", message).group(1))
+    assert f"at least about {need} MiB per worker" in message
+    # The limit named is the least that the plan accepts, to the MiB.
+    plan = plan_fit((10**6, 2), 250_000, 8, 100, worker_memory=need * MiB, **kw)
+    assert plan.p_storage == "zarr" and plan.p_columns >= 1
+    with pytest.raises(MemoryError, match="--memory-limit"):
+        plan_fit((10**6, 2), 250_000, 8, 100, worker_memory=(need - 1) * MiB, **kw)
+    with pytest.raises(MemoryError, match=r"use about 142 MiB each before holding any data.*"
+                                          rf"--memory-limit {need}MiB or more"):
+        plan_fit((10**6, 2), 250_000, 8, 100, worker_memory=200 * MiB, **kw)
+    # Counted as free, the same memory would have been planned for.
+    assert plan_fit((10**6, 2), 250_000, 8, 100, worker_memory=300 * MiB,
+                    **{**kw, "worker_baseline": 0}).p_storage == "zarr"
+
+
+@pytest.mark.parametrize("own", [0, 150 * MiB])
+def test_the_plan_never_decides_what_the_fit_refuses(own):
+    """Whatever the plan decides (P in memory or its Zarr width, X held, chunk rows),
+    the fit's own checks accept, with the workers' own memory counted by both."""
+    from dkicf.checkpoint import COLUMN_BLOCK
+
+    planned = set()
+    for limit in (300 * MiB, 512 * MiB, 2**30, 4 * 2**30):
+        for n in (20_000, 300_000, 1_000_000, 3_000_000):
+            for d, itemsize, rank, workers in ((2, 8, 100, 2), (64, 4, 50, 3)):
+                try:
+                    plan = plan_fit((n, d), 100_000, itemsize, rank, worker_memory=limit,
+                                    n_workers=workers, worker_baseline=own)
+                except MemoryError:
+                    planned.add("refused")
+                    continue
+                planned.add(plan.p_storage)
+                client = FakeClient(workers, limit, own=own)
+                rows = plan.chunk_rows
+                chunks = (rows,) * (n // rows) + ((n % rows,) if n % rows else ())
+                dtype = np.float64 if itemsize == 8 else np.float32
+                spec = None
+                if plan.p_storage == "zarr":
+                    cb = _backends.store_columns(client, n, plan.rank, COLUMN_BLOCK)
+                    assert cb == plan.p_columns
+                    spec = _chunk.StoreSpec("", "P", "t", cb)
+                _backends.check_worker_memory(client, chunks, d, dtype, plan.rank, spec,
+                                              plan.persist_x, hold_x=plan.persist_x)
+    assert {"memory", "zarr"} <= planned
+    assert ("refused" in planned) == bool(own)
+
+
+def test_the_fit_counts_the_workers_own_memory():
+    args = ((250_000,) * 4, 2, np.float64, 100, None, False)
+    _backends.check_worker_memory(FakeClient(2, 2**30, own=0), *args)
+    # Each chunk would fit a worker, not the rows of two.
+    with pytest.raises(ValueError, match=r"P \(1000000 x 100 float64\).*own 0.29 GiB each.*"
+                                         r"p_store="):
+        _backends.check_worker_memory(FakeClient(2, 2**30, own=300 * MiB), *args)
+    with pytest.raises(ValueError, match=r"use about 0.63 GiB each before holding any data"):
+        _backends.check_worker_memory(FakeClient(2, 2**30, own=650 * MiB), *args)
+
+
+def test_a_zarr_backed_update_stays_within_its_estimate(tmp_path):
+    """The buffers a task allocates with P in Zarr (grown tail, new tail, flushed columns
+    read back) stay below task_transient, as the process's resident memory shows."""
+    import psutil
+
+    from dkicf.checkpoint import _new_p_array
+    from dkicf.kernels import make_kernel
+
+    rows, cb, b, rank = 163_840, 10, 6, 48
+    _new_p_array(str(tmp_path / "P.zarr"), None, rows, rank + b + cb, 8192, cb)
+    spec = _chunk.StoreSpec(str(tmp_path / "P.zarr"), "", "memtest", cb)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 2))
+    kernel = make_kernel("gaussian", gamma=4.0)
+    state = _chunk.chunk_init(x, kernel, 0, rank + b, None, spec)
+    proc = psutil.Process()
+    peak = {"rss": 0, "on": True}
+
+    def sample():
+        while peak["on"]:
+            peak["rss"] = max(peak["rss"], proc.memory_info().rss)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    worst, stream_seen = 0, 0
+    try:
+        for i in range(0, rank, b):
+            index = rng.choice(rows, b, replace=False)
+            block = _chunk.PivotBlock(kernel, index, x[index], state.aux[index],
+                                      rng.normal(size=(b, i)) * 1e-3, np.eye(b), i)
+            time.sleep(0.01)
+            held = proc.memory_info().rss
+            peak["rss"] = held
+            flushed = state.flushed
+            state = _chunk.chunk_update(x, state, block)
+            time.sleep(0.01)
+            worst = max(worst, peak["rss"] - held)
+            if flushed:
+                stream_seen = max(stream_seen, peak["rss"] - held)
+    finally:
+        peak["on"] = False
+        sampler.join()
+    assert state.flushed > 0
+    # The task's buffers, the second tail that held_bytes counts (the new state's,
+    # while the old one is alive) and the block's columns (budgeted by task_budget).
+    estimate = _backends.task_transient(
+        rows, 2, 8, cb, _backends.stream_bytes(rows, rank + b, 8192)) + rows * 8 * (cb + b)
+    assert worst <= estimate, (worst / MiB, estimate / MiB)
+    # Reading the flushed columns back is most of it: the estimate is not vacuous.
+    assert stream_seen > 0.5 * _chunk._STREAM_BYTES
+
+
+def _replace_every_worker(client) -> None:
+    """All workers gone at once, then as many new ones (new addresses), as when every
+    worker of a cluster passes its memory limit and its nanny restarts it."""
+    cluster = client.cluster
+    count = len(client.scheduler_info()["workers"])
+    cluster.scale(0)
+    while client.scheduler_info()["workers"]:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    cluster.scale(count)
+    client.wait_for_workers(count)
+
+
+@pytest.mark.timeout(180)
+def test_every_worker_replaced_at_once_mid_fit_changes_nothing(own_cluster):
+    """The chunks' first tasks prefer the workers they started on; with X streamed they
+    depend on nothing, and recomputed while no worker runs, they used to wait for ever
+    for those workers once others had joined."""
+    client = own_cluster
+    X = da.from_array(np.random.default_rng(5).normal(size=(600, 3)), chunks=150)
+    kw = dict(gamma=0.5, max_rank=16, tol=0.0, pivoting="greedy", client=client,
+              persist=False)
+    ref = incomplete_cholesky(X, **kw)
+    before = set(client.scheduler_info()["workers"])
+    replaced = []
+
+    def replace(progress):
+        if progress.rank == 6 and not replaced:
+            _replace_every_worker(client)
+            replaced.append(True)
+
+    res = incomplete_cholesky(X, progress=replace, **kw)
+    assert replaced and not before & set(client.scheduler_info()["workers"])
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P.compute(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_every_worker_killed_at_once_mid_fit_changes_nothing(own_cluster):
+    """Both worker processes killed together: the nannies start new ones, the fit goes on."""
+    client = own_cluster
+    client.wait_for_workers(2)
+    X = da.from_array(np.random.default_rng(6).normal(size=(600, 3)), chunks=150)
+    kw = dict(gamma=0.5, max_rank=16, tol=0.0, pivoting="greedy", client=client,
+              persist=False)
+    ref = incomplete_cholesky(X, **kw)
+    pids = sorted(client.run(os.getpid).values())
+    killed = []
+
+    def kill_all(progress):
+        if progress.rank == 6 and not killed:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            killed.extend(pids)
+
+    res = incomplete_cholesky(X, progress=kill_all, **kw)
+    assert killed and not set(pids) & set(client.run(os.getpid).values())
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P.compute(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_a_task_stranded_on_a_dead_preferred_worker_is_sent_elsewhere(own_cluster):
+    """The scheduler leaves a task that prefers a dead worker in ``no-worker`` once new
+    workers have joined; the stall report sends the fit's ones to the running workers."""
+    client = own_cluster
+    cluster = client.cluster
+    gone = "tcp://127.0.0.1:1"  # a worker that is not there
+    cluster.scale(0)
+    while client.scheduler_info()["workers"]:
+        time.sleep(0.1)
+    token = "strandtest0000"
+    fut = client.submit(int, 7, key=f"icf-init-{token}-0", workers=[gone],
+                        allow_other_workers=True)
+    cluster.scale(2)
+    client.wait_for_workers(2)
+    time.sleep(1.0)
+    assert fut.status == "pending"  # stranded: the scheduler would wait for ever
+    report = client.run_on_scheduler(_backends._stall_report, token=token)
+    assert report["moved"] == 1 and report["paused"] == []
+    assert fut.result(timeout=30) == 7
+
+
+@pytest.mark.timeout(120)
+def test_a_pass_held_by_paused_workers_fails_instead_of_waiting(own_cluster, monkeypatch):
+    """Workers paused for good (memory that does not go down) hold the pass's tasks:
+    the fit fails with WorkerFailureError naming them instead of waiting for ever."""
+    from distributed.core import Status
+
+    client = own_cluster
+    client.wait_for_workers(2)
+    monkeypatch.setattr(_backends, "_STALL_SECONDS", 0.5)
+    monkeypatch.setattr(_backends, "_PAUSED_SECONDS", 3.0)
+    X = da.from_array(np.random.default_rng(1).normal(size=(400, 2)), chunks=100)
+
+    def pause(dask_worker):
+        dask_worker.memory_manager.memory_pause_fraction = False  # no resuming by itself
+        dask_worker.status = Status.paused
+
+    def resume(dask_worker):
+        dask_worker.memory_manager.memory_pause_fraction = 0.8
+        dask_worker.status = Status.running
+
+    armed = []
+
+    def stop_workers(progress):
+        if progress.rank == 3 and not armed:
+            client.run(pause)
+            armed.append(time.monotonic())
+
+    try:
+        with pytest.raises(WorkerFailureError, match=r"factorization stalled at iteration \d+: "
+                                                     r".*paused.*--memory-limit") as info:
+            incomplete_cholesky(X, gamma=0.5, max_rank=10, tol=0.0, pivoting="greedy",
+                                client=client, progress=stop_workers)
+    finally:
+        client.run(resume)
+    assert info.value.stage == "factorization"
+    assert time.monotonic() - armed[0] < 30
+
+
+def _worker_processes():
+    """The worker processes of this test process's local clusters (spawned children)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_workers_dying_again_and_again_fail_the_fit_instead_of_hanging(monkeypatch):
+    """Workers that keep dying, whichever task they run (as workers over their memory
+    limit do), until their nannies give up: the fit ends with WorkerFailureError instead
+    of waiting for ever."""
+    from dkicf import local_cluster
+
+    monkeypatch.setattr(_backends, "_STALL_SECONDS", 0.5)
+    monkeypatch.setattr(_backends, "_NO_WORKERS_SECONDS", 5.0)
+    client = local_cluster(2, 1, memory_limit="1GiB")
+    X = da.from_array(np.random.default_rng(2).normal(size=(400, 2)), chunks=100)
+    stop = threading.Event()
+    started = []
+
+    def kill_all():
+        for proc in _worker_processes():
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except Exception:
+                pass
+
+    def kill_again_and_again():
+        while not stop.wait(0.3):
+            kill_all()
+
+    def start_killing(progress):
+        if progress.rank == 3 and not started:
+            started.append(time.monotonic())
+            kill_all()
+            threading.Thread(target=kill_again_and_again, daemon=True).start()
+
+    try:
+        with pytest.raises(WorkerFailureError, match=r"factorization failed at iteration \d+: "
+                                                     r"a task killed every worker") as info:
+            incomplete_cholesky(X, gamma=0.5, max_rank=60, tol=0.0, pivoting="greedy",
+                                client=client, persist=False, progress=start_killing)
+    finally:
+        stop.set()
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+    assert info.value.stage == "factorization"
+    assert time.monotonic() - started[0] < 90
