@@ -286,6 +286,7 @@ class DaskBackend:
             del raw
         self.step = 0
         self._events = _EventInbox(self.client, f"dkicf-icf-{self.token}")
+        self._events.on_stall = self._on_stall
         if restore is None:
             self.states = [
                 self.client.submit(
@@ -509,9 +510,7 @@ class DaskBackend:
             None if inbox is None else prefetch,
             each=(True, True, False, True, True, False),
         )
-        parts = None if inbox is None else inbox.collect(
-            self.step, self.states, on_stall=self._on_stall
-        )
+        parts = None if inbox is None else inbox.collect(self.step, self.states)
         self._settle()
         if parts is None:
             summary = self.summary(m)
@@ -706,6 +705,8 @@ class _EventInbox:
 
         self.client = client
         self.topic = topic
+        # Called while a collect waits for unfinished tasks (DaskBackend._on_stall).
+        self.on_stall = None
         self._got: dict[tuple[int, int], dict] = {}
         self._cond = threading.Condition()
         self._subscribed = False
@@ -721,14 +722,15 @@ class _EventInbox:
             self._got[(int(msg["step"]), int(msg["chunk"]))] = msg
             self._cond.notify_all()
 
-    def collect(self, step: int, futures: list, grace: float = 1.0,
-                on_stall=None) -> list[dict] | None:
+    def collect(self, step: int, futures: list, grace: float = 1.0) -> list[dict] | None:
         """The summaries of ``step`` in chunk order, or None to fetch them with tasks.
 
-        ``on_stall()`` is called every :data:`_STALL_SECONDS` that some of
-        ``futures`` are not finished (see :meth:`DaskBackend._on_stall`).
+        :attr:`on_stall` (if set) is called every :data:`_STALL_SECONDS` that
+        some of ``futures`` are not finished (see :meth:`DaskBackend._on_stall`).
         """
         import time
+
+        on_stall = self.on_stall
 
         if not self._subscribed:
             return None
