@@ -17,6 +17,7 @@ driver in :mod:`dkicf.icf` a few collective operations:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -802,23 +803,24 @@ def _deaths_allowed(n_workers: int) -> int:
     return (allowed + 1) * max(1, n_workers)
 
 
-_KEPT_DYING: list = []
+@functools.cache
+def _kept_dying_class() -> type:
+    """A ``distributed.KilledWorker`` whose message is its own (made once, on first use)."""
+    from distributed import KilledWorker
+
+    class WorkersKeptDying(KilledWorker):
+        """Workers kept dying while a pass waited, whichever tasks they ran."""
+
+        def __str__(self) -> str:
+            return str(self.args[0])
+
+    return WorkersKeptDying
 
 
 def _workers_kept_dying(message: str) -> Exception:
     """A ``distributed.KilledWorker`` with ``message``: the factorization turns it into
     its :class:`~dkicf.errors.WorkerFailureError` (stage, iteration, checkpoint)."""
-    if not _KEPT_DYING:
-        from distributed import KilledWorker
-
-        class WorkersKeptDying(KilledWorker):
-            """Workers kept dying while a pass waited, whichever tasks they ran."""
-
-            def __str__(self) -> str:
-                return str(self.args[0])
-
-        _KEPT_DYING.append(WorkersKeptDying)
-    return _KEPT_DYING[0](message, None, 0)
+    return _kept_dying_class()(message, None, 0)
 
 
 def _drop_preferences(keys: list, dask_scheduler=None) -> int:

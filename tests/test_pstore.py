@@ -138,25 +138,43 @@ def test_foreign_data_at_the_location_is_never_touched(client, tmp_path, X):
 
 
 class _FakeClient:
-    def __init__(self, workers):
+    """The scheduler's view of workers; with ``own``, what they measure of themselves."""
+
+    def __init__(self, workers, own=None):
         self.workers = workers
+        self.own = own
+        self.token = object()  # distinct names: measurements are cached per cluster
 
     def scheduler_info(self, n_workers=-1):
-        return {"workers": {f"w{i}": w for i, w in enumerate(self.workers)}}
+        return {"workers": {f"w{i}-{id(self.token)}": w for i, w in enumerate(self.workers)}}
+
+    def run(self, func):
+        if self.own is None:
+            raise RuntimeError("no remote functions here")
+        names = self.scheduler_info()["workers"]
+        return {name: {"own": self.own, "fraction": 0.6} for name in names}
 
 
 def test_zarr_column_block_follows_cluster_memory():
-    """Between passes the tails of P over all rows fit half the cluster's memory."""
-    from dkicf._backends import store_columns
+    """The tails of P, the vectors and a task's buffers fit what a worker may fill."""
+    from dkicf._backends import store_columns, usable_memory_fraction
 
-    two = _FakeClient([{"nthreads": 1, "memory_limit": 100_000_000}] * 2)
+    assert usable_memory_fraction() == 0.6  # distributed's default spill target
+    two = _FakeClient([{"nthreads": 1, "memory_limit": 400_000_000}] * 2)
     n = 1_000_000
-    cb = store_columns(two, n, 50, 32)
-    # Half of 200 MB, less four float64 vectors per row, in columns of 8 MB.
-    assert cb == (100_000_000 - 32 * n) // (8 * n) == 8
+    # The busiest worker holds 500,000 rows: four vectors and two tails of cb
+    # columns (16 MB + 8 MB * cb). One task over them adds a residual and a
+    # product (8 MB), its tail grown (4 MB * cb) and 32 MiB of streamed columns,
+    # within 75% of what the states leave of 60% of 400 MB:
+    # 41.55 MB + 4 MB * cb <= 0.75 * (224 MB - 8 MB * cb), i.e. cb <= 12.6.
+    assert store_columns(two, n, 50, 32) == 12
     assert store_columns(two, 1000, 50, 32) == 32  # small data: the usual width
     assert store_columns(two, 1000, 5, 32) == 5  # never wider than P
     assert store_columns(_FakeClient([{"nthreads": 1, "memory_limit": 0}]), n, 50, 32) == 32
+    # The worker processes' own memory counts: 100 MB each leave 140 MB, and
+    # 41.55 MB + 4 MB * cb <= 0.75 * (124 MB - 8 MB * cb) gives cb <= 5.1.
+    heavy = _FakeClient([{"nthreads": 1, "memory_limit": 400_000_000}] * 2, own=100_000_000)
+    assert store_columns(heavy, n, 50, 32) == 5
     with pytest.raises(ValueError, match=r"10000000 rows need .* Add workers"):
         store_columns(two, 10_000_000, 50, 32)
 
