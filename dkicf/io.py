@@ -1631,8 +1631,22 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Sou
     return _Source("parquet", pf.metadata.num_rows, len(features), coder, read)
 
 
+def _is_svmlight(path: Path, lines: int = 100) -> bool:
+    """Whether a ``.txt`` file is svmlight text: ``index:value`` fields in its first lines.
+
+    Otherwise it is read as delimited numbers (whitespace, comma, tab or
+    semicolon), as :func:`numpy.loadtxt` would.
+    """
+    for _, text in islice(_text_lines(path), lines):
+        if any(":" in token for token in text.split("#", 1)[0].split()[1:]):
+            return True
+    return False
+
+
 def _open_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
     suffix = path.suffix.lower()
+    if suffix == ".txt" and not _is_svmlight(path):
+        return _csv_source(path, src, label_column, block_rows)
     if suffix == ".npy":
         return _npy_source(path, src, label_column)
     if suffix == ".npz":
@@ -1660,12 +1674,14 @@ def convert(
     Supported sources (by suffix): ``.npy`` (memory-mapped, copied in row
     blocks), ``.npz`` (array ``X`` and optional ``y``; X is streamed from the
     zip member, y is read whole, and a Fortran-ordered X is read whole),
-    ``.csv`` (comma, tab or semicolon separated, detected from the first line;
-    a first line with any non-numeric field is a header; blank lines and lines
-    starting with ``#`` are skipped; read in blocks of lines), svmlight/LIBSVM
-    text (``.svm``, ``.libsvm``, ``.svmlight``,
-    ``.txt``: read twice in blocks of lines, first for the size and labels;
-    indices are 1-based unless the file uses index 0; written dense) and
+    ``.csv`` (comma, tab or semicolon separated, detected from the first line,
+    else whitespace; a first line with any non-numeric field is a header;
+    blank lines and lines starting with ``#`` are skipped; read in blocks of
+    lines), svmlight/LIBSVM text (``.svm``, ``.libsvm``, ``.svmlight``, and
+    ``.txt`` whose first lines have ``index:value`` fields: read twice in
+    blocks of lines, first for the size and labels; indices are 1-based
+    unless the file uses index 0; written dense), other ``.txt`` files as
+    ``.csv`` (delimited numbers, as :func:`numpy.loadtxt` reads them) and
     ``.parquet`` (numeric columns, read batch by batch).  Large sources are
     never loaded whole.
 

@@ -196,6 +196,37 @@ def test_convert_svmlight_zero_based(tmp_path, suffix):
     np.testing.assert_array_equal(y, [0, 1])
 
 
+@pytest.mark.parametrize("sep", [" ", "  ", "\t", ","])
+def test_convert_txt_of_delimited_numbers(tmp_path, sep):
+    """A .txt without index:value fields is a table of numbers, as numpy.loadtxt reads it."""
+    rng = np.random.default_rng(4)
+    data = np.round(rng.normal(size=(9, 3)), 6)
+    labels = np.array([2, 0, 1] * 3)
+    table = np.column_stack([data, labels])
+    delimiter = None if sep.strip() == "" else sep
+    np.savetxt(tmp_path / "d.txt", table, delimiter=sep, fmt="%.6f")
+    info = io.convert(tmp_path / "d.txt", tmp_path / "d.zarr", dtype="float64",
+                      label_column=-1)
+    reference = np.loadtxt(tmp_path / "d.txt", delimiter=delimiter)
+    got, y, meta = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(got, reference[:, :3])
+    np.testing.assert_array_equal(y, labels)
+    assert info["n_features"] == 3 and meta["attrs"]["source_format"] == "csv"
+    # Without a label column, every column is a feature.
+    io.convert(tmp_path / "d.txt", tmp_path / "all.zarr", dtype="float64")
+    np.testing.assert_array_equal(_read(tmp_path / "all.zarr")[0], reference)
+
+
+def test_convert_txt_is_svmlight_when_a_later_line_says_so(tmp_path):
+    """A first row of zeros is a bare label in svmlight: the next lines decide."""
+    (tmp_path / "d.txt").write_text("# comment\n1\n2 1:0.5 3:2\n")
+    io.convert(tmp_path / "d.txt", tmp_path / "d.zarr", dtype="float64")
+    got, y, meta = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(got, [[0, 0, 0], [0.5, 0, 2]])
+    np.testing.assert_array_equal(y, [0, 1])
+    assert meta["attrs"]["source_format"] == "svmlight"
+
+
 def test_convert_parquet_round_trip(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
