@@ -27,7 +27,20 @@ class UsageError(Exception):
 # ---------------------------------------------------------------------------- parsing
 
 
-def _storage_options(values: list[str] | None, config: str | None) -> dict:
+def _storage_options(values: list[str] | None, config: str | None, *paths) -> dict:
+    """The fsspec options of --storage-option/--storage-options-file, for ``paths``.
+
+    They only reach stores named by URL: given with local paths only, they
+    would be ignored, so they are refused instead.
+    """
+    if (values or config) and not any("://" in str(p) for p in paths if p):
+        given = "--storage-option" if values else "--storage-options-file"
+        local = ", ".join(str(p) for p in paths if p)
+        raise UsageError(
+            f"{given} applies to stores named by URL (s3://, gs://, abfs://, https://, ...), "
+            f"and every path here is local ({local}): drop it, or name the remote store "
+            "by its URL."
+        )
     opts: dict = {}
     if config:
         try:
@@ -64,7 +77,8 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=2, help="local workers (default: 2)")
     g.add_argument("--threads", type=int, default=1, help="threads per local worker (default: 1)")
     g.add_argument("--memory-limit", default="auto",
-                   help="memory limit per local worker, e.g. 4GiB (default: auto)")
+                   help="memory limit per worker, e.g. 4GiB (local default: auto, the "
+                        "machine's memory shared among the workers; kubernetes default: 4GiB)")
     g.add_argument("--dashboard", action="store_true",
                    help="serve the dask dashboard (on 127.0.0.1 only)")
     g.add_argument("--tls-ca-file",
@@ -74,7 +88,8 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", help="private key of --tls-cert")
     g.add_argument("--jobs", type=int, default=1, help="batch jobs (slurm/pbs)")
     g.add_argument("--cores", type=int, default=2, help="cores per job (slurm/pbs)")
-    g.add_argument("--memory", default="8GiB", help="memory per job (slurm/pbs)")
+    g.add_argument("--memory", default="8GiB",
+                   help="memory per job (slurm/pbs; default: 8GiB)")
     g.add_argument("--walltime", default="01:00:00", help="walltime per job (slurm/pbs)")
     g.add_argument("--queue", default=None, help="queue or partition (slurm/pbs)")
     g.add_argument("--processes", type=int, default=1, help="worker processes per job")
@@ -103,6 +118,26 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output (a local one only once the new one is "
                         "complete; on an object store the old one is deleted first)")
+
+
+def _check_size(flag: str, text: str, *, auto: bool) -> str:
+    """A memory size as dask reads it (4GiB, 500MB, 2e9), or ``auto`` where allowed.
+
+    Checked once the command runs, not while parsing: importing dask before
+    the logging is set up would let distributed's INFO logs through.
+    """
+    from dask.utils import parse_bytes
+
+    if auto and text == "auto":
+        return text
+    try:
+        value = parse_bytes(text)
+    except (ValueError, TypeError):
+        value = None
+    if value is None or value <= 0:
+        example = "a size such as 4GiB or 500MB" + (", or auto" if auto else "")
+        raise UsageError(f"{flag} expects {example}; got {text!r}.")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -183,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = add_parser
 
     p = sub.add_parser("convert", help="convert .npy/.npz/.csv/svmlight/Parquet to Zarr")
-    p.add_argument("src", help="the file to convert (.npy, .npz, .csv, .svm/.txt svmlight, "
-                               ".parquet)")
+    p.add_argument("src", help="the file to convert (.npy, .npz, .csv, .svm/.libsvm "
+                               "svmlight, .parquet; .txt: svmlight if it has index:value "
+                               "fields, else delimited numbers like .csv)")
     p.add_argument("dst", help="the Zarr group to write (path or fsspec URL)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="dtype of X in the store (default: float32, half the memory; "
@@ -380,6 +416,9 @@ def _cluster(args):
             client.close()
         return
     options = {}
+    _check_size("--memory-limit", args.memory_limit, auto=True)
+    if args.cluster in ("slurm", "pbs"):
+        _check_size("--memory", args.memory, auto=False)
     if args.cluster == "local":
         options = dict(workers=args.workers, threads=args.threads,
                        memory_limit=args.memory_limit, dashboard=args.dashboard)
@@ -411,7 +450,9 @@ def _cluster(args):
         if not args.image:
             raise UsageError("--cluster kubernetes needs --image (the dkicf container image).")
         options.update(name=args.name, image=args.image, workers=args.workers,
-                       threads=args.threads, memory_limit=args.memory_limit)
+                       threads=args.threads)
+        if args.memory_limit != "auto":  # a pod needs a size: kubernetes_spec's default
+            options["memory_limit"] = args.memory_limit
     client, cluster = deploy.start_cluster(args.cluster, **options)
     try:
         yield client
@@ -430,7 +471,8 @@ def _cmd_convert(args) -> int:
     info = io.convert(
         args.src, args.dst, dtype=args.dtype, chunk_rows=args.chunk_rows,
         overwrite=args.overwrite, label_column=args.label_column,
-        storage_options=_storage_options(args.storage_option, args.storage_options_file),
+        storage_options=_storage_options(args.storage_option, args.storage_options_file,
+                                         args.src, args.dst),
         progress=None if args.quiet else _rows_bar("convert"),
     )
     print(f"wrote {args.dst}: {_describe(info)}")
@@ -454,7 +496,7 @@ def _cmd_generate(args) -> int:
     info = io.generate(
         args.kind, args.dst, args.n, chunk_rows=args.chunk_rows, dtype=args.dtype,
         random_state=args.seed, overwrite=args.overwrite,
-        storage_options=_storage_options(args.storage_option, args.storage_options_file),
+        storage_options=_storage_options(args.storage_option, args.storage_options_file, args.dst),
         progress=None if args.quiet else _rows_bar("generate"),
         **params,
     )
@@ -473,7 +515,8 @@ def _describe(info: dict) -> str:
 def _cmd_fit(args) -> int:
     from .pipeline import fit_store
 
-    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.store, args.out, args.checkpoint)
     progress = _Progress(args.quiet)
     params = dict(
         n_clusters=args.clusters, kernel=args.kernel, gamma=args.gamma, degree=args.degree,
@@ -513,7 +556,8 @@ def _print_report(report: dict) -> None:
 def _cmd_predict(args) -> int:
     from .pipeline import predict_store
 
-    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.model, args.store, args.out)
     from . import io
 
     io.check_not_input(args.out, {"the model": args.model, "the dataset": args.store})
@@ -528,7 +572,8 @@ def _cmd_predict(args) -> int:
 def _cmd_info(args) -> int:
     from .pipeline import describe
 
-    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.path)
     for line in describe(args.path, rank=args.rank, storage_options=storage_options):
         print(line)
     return 0
@@ -537,7 +582,8 @@ def _cmd_info(args) -> int:
 def _cmd_plot(args) -> int:
     from .plotting import plot_model
 
-    storage_options = _storage_options(args.storage_option, args.storage_options_file)
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.model, args.data)
     paths = plot_model(args.model, args.out_dir, data=args.data, storage_options=storage_options)
     for p in paths:
         print(f"wrote {p}")

@@ -103,6 +103,13 @@ def test_existing_output_is_refused_and_left_intact(ring_store):
         (("fit", "ring.zarr", "--clusters", "0", "--out", "o.zarr"), "expected an integer >= 1"),
         (("fit", "ring.zarr", "--clusters", "2", "--gamma", "-1", "--out", "o.zarr"),
          "gamma must be > 0"),
+        # Options for remote stores given with local paths only would be ignored.
+        (("fit", "ring.zarr", "--clusters", "2", "--out", "o.zarr", "--storage-option",
+          "anon=true"), "--storage-option applies to stores named by URL (s3://"),
+        (("info", "ring.zarr", "--storage-options-file", "opts.json"),
+         "--storage-options-file applies to stores named by URL"),
+        (("generate", "ring", "g.zarr", "--n", "100", "--storage-option", "anon=true"),
+         "every path here is local (g.zarr)"),
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(ring_store, args, message):

@@ -1458,6 +1458,53 @@ def _cli(tmp_path, *args, **env):
     )
 
 
+def test_cli_memory_sizes_are_checked_naming_the_flag(tmp_path, capsys):
+    from dkicf.cli import main
+
+    for args, expected in (
+        (["--memory-limit", "lots"], "--memory-limit expects a size such as 4GiB or 500MB, "
+                                     "or auto; got 'lots'."),
+        (["--memory-limit", "0"], "--memory-limit expects a size such as 4GiB or 500MB, "
+                                  "or auto; got '0'."),
+        (["--cluster", "slurm", "--memory", "auto"],
+         "--memory expects a size such as 4GiB or 500MB; got 'auto'."),
+    ):
+        code = main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out",
+                     str(tmp_path / "out.zarr"), *args])
+        assert code == 2
+        assert capsys.readouterr().err.splitlines() == [f"dkicf fit: error: {expected}"]
+        assert not (tmp_path / "out.zarr").exists()
+
+
+def test_cli_kubernetes_default_memory_limit_gives_pods_a_size(monkeypatch, crd_validator,
+                                                               tmp_path, capsys):
+    """The local default ``auto`` means nothing to a pod: kubernetes_spec's default applies."""
+    from dkicf.cli import main
+
+    seen = []
+
+    class FakeKubeCluster:
+        def __init__(self, **kwargs):
+            seen.append(kwargs["custom_cluster_spec"])
+            raise RuntimeError("no Kubernetes here")
+
+    monkeypatch.setitem(
+        sys.modules, "dask_kubernetes.operator", types.SimpleNamespace(KubeCluster=FakeKubeCluster)
+    )
+    image = "registry.example.com/dkicf:0.1.0"
+    for extra, spec in (([], kubernetes_spec("dkicf", image, workers=2, threads=1)),
+                        (["--memory-limit", "3GiB"],
+                         kubernetes_spec("dkicf", image, workers=2, threads=1,
+                                         memory_limit="3GiB"))):
+        code = main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out",
+                     str(tmp_path / "out.zarr"), "--cluster", "kubernetes", "--image", image,
+                     *extra])
+        assert code == 1 and "no Kubernetes here" in capsys.readouterr().err
+        assert seen[-1] == spec
+        assert _daskcluster_errors(seen[-1], crd_validator) == []
+    assert len(seen) == 2
+
+
 def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path):
     """--cluster slurm without TLS flags: mutual TLS, and the fit waits for queued jobs."""
     pytest.importorskip("dask_jobqueue")
