@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import ssl
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -383,15 +384,45 @@ def _local_cluster(workers=2, threads=1, memory_limit="auto", dashboard=False):
     _positive_int(workers, "workers")
     _positive_int(threads, "threads")
     with _scheduler_http(dashboard):
-        return LocalCluster(
-            n_workers=workers,
-            threads_per_worker=threads,
-            memory_limit=memory_limit,
-            processes=True,
-            host="127.0.0.1",
-            dashboard_address="127.0.0.1:0",
-            scheduler_kwargs={"dashboard": bool(dashboard)},
-        )
+        try:
+            return LocalCluster(
+                n_workers=workers,
+                threads_per_worker=threads,
+                memory_limit=memory_limit,
+                processes=True,
+                host="127.0.0.1",
+                dashboard_address="127.0.0.1:0",
+                scheduler_kwargs={"dashboard": bool(dashboard)},
+            )
+        except RuntimeError as exc:
+            script = _unguarded_script()
+            if script is None:
+                raise
+            raise RuntimeError(
+                f"the local worker processes failed to start ({exc}). They are new Python "
+                f"processes that import {script} first, and a script that starts a cluster "
+                "at import time starts it again in each of them: put the code that starts "
+                'the cluster under if __name__ == "__main__":'
+            ) from exc
+
+
+def _unguarded_script() -> str | None:
+    """The running script, if it starts clusters at import time (no ``__main__`` guard).
+
+    Spawned worker processes import the script as ``__mp_main__``; when they
+    fail to start, its source says whether it guards its code.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    if re.search(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", text, re.MULTILINE):
+        return None
+    return path
 
 
 def _k8s_memory(nbytes: int) -> str:

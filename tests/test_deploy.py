@@ -1458,6 +1458,29 @@ def _cli(tmp_path, *args, **env):
     )
 
 
+@pytest.mark.timeout(120)
+def test_a_script_without_main_guard_is_told_how_to_fix_it(tmp_path):
+    """Spawned workers import the script; one that starts a cluster at import time breaks
+    them, and dask only says "Nanny failed to start"."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import dkicf\n\nclient = dkicf.local_cluster(1, 1)\nprint('started')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=100, env=_child_env(), cwd=tmp_path)
+    assert proc.returncode == 1 and "started" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: the local worker processes failed to start")
+    assert str(script) in last and 'if __name__ == "__main__":' in last
+    # Guarded, the same code runs.
+    script.write_text(
+        "import dkicf\n\nif __name__ == '__main__':\n    client = dkicf.local_cluster(1, 1)\n"
+        "    print('started')\n    cluster = client.cluster\n    client.close()\n"
+        "    cluster.close()\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=100, env=_child_env(), cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "started", proc.stderr[-2000:]
+
+
 def test_cli_memory_sizes_are_checked_naming_the_flag(tmp_path, capsys):
     from dkicf.cli import main
 
