@@ -886,14 +886,30 @@ def _stall_report(token: str, dask_scheduler=None) -> dict:
             "workers": list(s.workers)}
 
 
-def _drop_topic(topic: str, dask_scheduler=None) -> bool:
-    """On the scheduler: forget an event topic and its stored events (best effort)."""
+async def _drop_topic(topic: str, dask_scheduler=None, wait: float = 2.0) -> bool:
+    """On the scheduler: forget an event topic and its stored events (best effort).
+
+    The client's unsubscription travels on its stream, not with this call,
+    and may come second: the scheduler would then create the topic again,
+    empty, to unsubscribe from it.  So the topic is dropped once it has no
+    subscriber left, or after ``wait`` seconds.
+    """
+    import asyncio
+    import time
+
     broker = getattr(dask_scheduler, "_broker", None)
     topics = getattr(broker, "_topics", None)
     if topics is None or topic not in topics:
         return False
-    topics.pop(topic).truncate()
-    return True
+    deadline = time.monotonic() + wait
+    while topics.get(topic) is not None and topics[topic].subscribers:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    found = topics.pop(topic, None)
+    if found is not None:
+        found.truncate()
+    return found is not None
 
 
 def _stash_share(count: int, rows: int, n: int) -> int:

@@ -317,18 +317,16 @@ def test_a_pass_held_by_paused_workers_fails_instead_of_waiting(own_cluster, mon
     assert time.monotonic() - armed[0] < 30
 
 
-def _worker_processes():
-    """The worker processes of this test process's local clusters (spawned children)."""
-    import psutil
-
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "spawn_main" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
+def _worker_pids(cluster) -> list[int]:
+    """The worker processes of ``cluster`` now (its nannies start new ones after a kill);
+    not those of the other clusters of this test process."""
+    pids = []
+    for nanny in list(cluster.workers.values()):
+        process = getattr(nanny, "process", None)
+        pid = getattr(process, "pid", None)
+        if pid:
+            pids.append(pid)
+    return pids
 
 
 @pytest.mark.timeout(180)
@@ -346,10 +344,10 @@ def test_workers_dying_again_and_again_fail_the_fit_instead_of_hanging(monkeypat
     started = []
 
     def kill_all():
-        for proc in _worker_processes():
+        for pid in _worker_pids(client.cluster):
             try:
-                proc.send_signal(signal.SIGKILL)
-            except Exception:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
                 pass
 
     def kill_again_and_again():
