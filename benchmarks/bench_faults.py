@@ -5,10 +5,14 @@ from Zarr in row chunks (held in worker memory), this prints the seconds of the 
 
 * with P in worker memory (the reference),
 * with P in Zarr (``p_store=``): tasks stream the flushed column blocks,
-* with checkpoints every ``--every`` iterations (P in the checkpoint's Zarr),
+* with checkpoints every ``--every`` iterations, P in worker memory (the
+  default when it fits: the commits copy its new columns),
+* the same with P in the checkpoint's Zarr (``p_storage="zarr"``, for a P
+  larger than the cluster's memory),
 * resumed from a checkpoint committed at half the rank,
 
-and checks that the pivots are the same in every mode.
+with each time against the in-memory run measured in the same process, and
+checks that the pivots are the same in every mode.
 
 Run: python benchmarks/bench_faults.py [--n 200000] [--d 8] [--rank 100] [--chunk 50000]
 """
@@ -48,19 +52,26 @@ def main(argv=None) -> None:
         zarr.create_array(f"{tmp}/X.zarr", data=X, chunks=(args.chunk, args.d))
         Xd = da.from_zarr(f"{tmp}/X.zarr")
 
+        per_iteration = {}
+
         def run(label, iterations=args.rank, **kw):
             t0 = time.perf_counter()
             res = incomplete_cholesky(Xd, client=client, **common, **kw)
             res.P[:1].compute()
             seconds = time.perf_counter() - t0
-            print(f"{label:<34s} {seconds:8.2f} s  ({1e3 * seconds / iterations:7.1f} ms/iter)")
+            ms = 1e3 * seconds / iterations
+            base = per_iteration.setdefault("reference", ms)
+            print(f"{label:<40s} {seconds:8.2f} s  ({ms:7.1f} ms/iter, {ms / base:5.2f}x)")
             return res
 
         print(f"n={args.n} d={args.d} rank={args.rank} chunk={args.chunk} every={args.every}")
         ref = run("P in worker memory")
         zres = run("P in Zarr (p_store)", p_store=f"{tmp}/P.zarr")
-        cres = run(f"checkpoint every {args.every}", checkpoint=f"{tmp}/ck.zarr",
+        cres = run(f"checkpoint every {args.every}, P in memory", checkpoint=f"{tmp}/ck.zarr",
                    checkpoint_every=args.every)
+        assert cres.info["p_storage"] == "memory"
+        czres = run(f"checkpoint every {args.every}, P in Zarr", checkpoint=f"{tmp}/ckz.zarr",
+                    checkpoint_every=args.every, p_storage="zarr")
         half = args.rank // 2
 
         def stop_at_half(progress):
@@ -74,7 +85,8 @@ def main(argv=None) -> None:
             pass
         rres = run(f"resumed from rank {half}", args.rank - half, checkpoint=f"{tmp}/half.zarr",
                    resume=True, checkpoint_every=half)
-        for label, res in (("p_store", zres), ("checkpoint", cres), ("resume", rres)):
+        for label, res in (("p_store", zres), ("checkpoint", cres),
+                           ("checkpoint with P in Zarr", czres), ("resume", rres)):
             same = np.array_equal(res.pivots, ref.pivots)
             print(f"pivots of {label} equal to in-memory: {same}")
         same = np.array_equal(rres.P.compute(), cres.P.compute())

@@ -339,6 +339,7 @@ class Checkpoint(_Storage):
             "checkpoint": self.url,
             "resumed_from": self._resumed_from,
             "already_finished": False,
+            "p_storage": "memory" if self.p_spec is None else "zarr",
         }
 
     # ------------------------------------------------------------------ driver hooks
@@ -409,6 +410,7 @@ class Checkpoint(_Storage):
             "n_passes": int(summary["n_passes"]),
             "finished": stop is not None,
             "stop_reason": stop,
+            "p_storage": "memory" if self.p_spec is None else "zarr",
             "elapsed": self._elapsed_before + time.perf_counter() - self._start,
         }
         if driver is not None:
@@ -513,8 +515,15 @@ def open_storage(
     overwrite: bool,
     client=None,
     storage_options: dict | None = None,
+    p_storage: str = "auto",
+    persist: bool = True,
 ):
     """Check and create (or open, to resume) the Zarr storage of one factorization.
+
+    With dask input and a checkpoint, ``p_storage`` says where P lives
+    (see :func:`dkicf.incomplete_cholesky`): ``"auto"`` keeps it in worker
+    memory when it fits there (X held too if ``persist``), else in the
+    checkpoint; a resumed checkpoint keeps the choice it recorded.
 
     Everything here happens before the first pass over the data that the fit
     itself makes: a location that exists, cannot be written, or holds a
@@ -549,16 +558,23 @@ def open_storage(
     token = uuid.uuid4().hex
     opts = dict(storage_options or {})
     opts_json = json.dumps(opts, sort_keys=True) if opts else ""
+    in_memory = not dask_input
     if dask_input:
         from ._backends import check_worker_memory, store_columns
         from ._cluster import get_client
 
         X, p_rows = _aligned(X)
         chunks = tuple(int(c) for c in X.chunks[0])
-        cb = store_columns(get_client(client), n, capacity, COLUMN_BLOCK)
-        # Before any pass over the data (the fingerprint's is the first).
-        spec = _chunk.StoreSpec("", "P", token, cb)
-        check_worker_memory(get_client(client), chunks, d, X.dtype, capacity, spec, True)
+        if p_store is None:
+            in_memory = _p_in_memory(
+                p_storage, checkpoint, resume, opts, get_client(client), chunks, d, X.dtype,
+                capacity, persist,
+            )
+        if not in_memory:  # tails of P between passes: as many columns as memory allows
+            cb = store_columns(get_client(client), n, capacity, COLUMN_BLOCK)
+            # Before any pass over the data (the fingerprint's is the first).
+            spec = _chunk.StoreSpec("", "P", token, cb)
+            check_worker_memory(get_client(client), chunks, d, X.dtype, capacity, spec, True)
     else:
         chunks, p_rows = (n,), min(n, _ROWS_HIGH)
     if p_store is not None:
@@ -570,7 +586,8 @@ def open_storage(
         except OSError as exc:
             raise _create_failed(p_store, "P store", exc) from exc
         return X, PStore(_chunk.StoreSpec(p_store, "", token, cb, opts_json))
-    layout = {"chunks": list(chunks), "p_rows": p_rows, "columns": cb, "capacity": capacity}
+    layout = {"chunks": list(chunks), "p_rows": p_rows, "columns": cb, "capacity": capacity,
+              "p_storage": "memory" if in_memory else "zarr"}
     params = _jsonable(params)
     shape_fp = {"shape": [n, d], "chunks": list(chunks), "dtype": str(np.dtype(X.dtype))}
     existing = _claim(checkpoint, _CHECKPOINT, overwrite=overwrite, resume=resume,
@@ -601,9 +618,34 @@ def open_storage(
             raise _create_failed(checkpoint, "checkpoint", exc) from exc
         spec = _chunk.StoreSpec(checkpoint, "P", token, cb, opts_json)
         ckpt = Checkpoint(spec, every, meta, layout)
-    if not dask_input:
-        ckpt.p_spec = None  # numpy: P stays in memory; checkpoints write its new columns
+    if in_memory:
+        ckpt.p_spec = None  # P stays in memory; the commits write its new columns
     return X, ckpt
+
+
+def _p_in_memory(p_storage, checkpoint, resume, options, client, chunks, d, dtype, capacity,
+                 persist) -> bool:
+    """Whether a checkpointed dask fit keeps P in worker memory (see open_storage)."""
+    from ._backends import check_worker_memory
+
+    if p_storage == "auto" and resume:
+        existing = _dkicf_attrs(checkpoint, _CHECKPOINT, options) or {}
+        commit = existing.get("commit")
+        if isinstance(commit, dict):
+            # Where the committed columns were computed; checkpoints written
+            # before the choice was recorded kept P in Zarr.
+            p_storage = commit.get("p_storage") or "zarr"
+    if p_storage == "zarr":
+        return False
+    if p_storage == "memory":
+        check_worker_memory(client, chunks, d, dtype, capacity, None, persist)
+        return True
+    try:
+        check_worker_memory(client, chunks, d, dtype, capacity, None, persist)
+    except ValueError as exc:
+        logger.info("P does not fit the workers' memory (%s): kept in the checkpoint", exc)
+        return False
+    return True
 
 
 def _create_checkpoint(url, meta, n, d, capacity, p_rows, cb, options=None) -> None:

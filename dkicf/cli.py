@@ -288,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint (refused if data or parameters differ)")
     p.add_argument("--p-storage", choices=["auto", "memory", "zarr"], default="auto",
-                   help="keep P in worker memory or write it to Zarr beside the output")
+                   help="keep P in worker memory, or in Zarr beside the output (in the "
+                        "--checkpoint with one; default: memory when it fits; a --resume "
+                        "keeps the checkpoint's choice)")
     p.add_argument("--persist", choices=["auto", "yes", "no"], default="auto",
                    help="hold X in worker memory (default: when it fits)")
     _add_output(p)

@@ -170,6 +170,7 @@ def incomplete_cholesky(
     p_store: str | None = None,
     checkpoint: str | None = None,
     checkpoint_every: int = 25,
+    p_storage: str = "auto",
     resume: bool = False,
     overwrite: bool = False,
     storage_options: dict | None = None,
@@ -259,7 +260,8 @@ def incomplete_cholesky(
         in-memory run (with any pivot rule) and P agrees to rounding.
     checkpoint : str, optional
         Local path or fsspec URL of a Zarr group where the factorization is
-        checkpointed (with dask input, P itself lives there, as with
+        checkpointed: every commit writes P's new columns there (with dask
+        input and ``p_storage="zarr"``, P itself lives there, as with
         ``p_store``).  A driver that crashes resumes from it with
         ``resume=True`` and ends with exactly the pivots and P of an
         uninterrupted run, with any pivot rule (the block rules commit
@@ -269,6 +271,17 @@ def incomplete_cholesky(
         Commit a checkpoint every this many iterations (passes over X: one
         per pivot for ``"greedy"``, one per block for the block rules), and
         at the end.
+    p_storage : {"auto", "memory", "zarr"}, default="auto"
+        Dask input with ``checkpoint``: where P lives during the fit.
+        ``"memory"``: in the workers' memory, as without a checkpoint (each
+        pass reads P at memory speed; the commits copy its new columns to
+        the checkpoint).  ``"zarr"``: in the checkpoint, for a P larger than
+        the cluster's memory (each task keeps only its last columns and
+        streams the others from Zarr, several times slower per pass).
+        ``"auto"``: memory if P fits the workers' memory limits, else Zarr;
+        a resumed fit keeps the choice recorded in its checkpoint, so that
+        it ends bit-identical to an uninterrupted run.  Without a
+        checkpoint, P is in memory unless ``p_store`` is given.
     resume : bool, default=False
         Continue the checkpoint at ``checkpoint`` (start it if there is none).
         It must have been written for the same data and parameters, or the
@@ -310,6 +323,7 @@ def incomplete_cholesky(
     capacity = min(max_rank, n)
     kernel_obj = _resolve_kernel(X, kernel, gamma, degree, coef0, random_state)
     storage = None
+    _check_p_storage(p_storage, p_store, checkpoint, dask_input)
     if p_store is not None or checkpoint is not None:
         from .checkpoint import open_storage
 
@@ -321,6 +335,7 @@ def incomplete_cholesky(
             X, dask_input=dask_input, capacity=capacity, params=fit, p_store=p_store,
             checkpoint=checkpoint, every=checkpoint_every, resume=resume,
             overwrite=overwrite, client=client, storage_options=storage_options,
+            p_storage=p_storage, persist=persist,
         )
         if storage.finished:
             return storage.load_result(kernel_obj, dask_input)
@@ -356,6 +371,27 @@ def incomplete_cholesky(
         result.info.update(storage.info())
     _warn_if_degenerate(result, n)
     return result
+
+
+def _check_p_storage(p_storage, p_store, checkpoint, dask_input: bool) -> None:
+    """Refuse a ``p_storage`` that is unknown or contradicts the other arguments."""
+    if p_storage not in ("auto", "memory", "zarr"):
+        raise ValueError(f"p_storage must be 'auto', 'memory' or 'zarr', got {p_storage!r}.")
+    if p_storage == "memory" and p_store is not None:
+        raise ValueError(
+            "p_store= keeps P in a Zarr array, and p_storage='memory' asks for it in worker "
+            "memory: drop one of them."
+        )
+    if p_storage == "zarr":
+        if not dask_input:
+            raise ValueError(
+                "p_storage='zarr' keeps P in Zarr for dask input; a numpy X and its P live "
+                "in this process's memory. Pass da.from_array(X, chunks=...) or drop it."
+            )
+        if p_store is None and checkpoint is None:
+            raise ValueError(
+                "p_storage='zarr' needs a Zarr location for P: p_store= (or checkpoint=)."
+            )
 
 
 def _resolve_kernel(X, kernel, gamma, degree, coef0, random_state) -> Kernel:

@@ -343,13 +343,21 @@ def _worker_resources(client) -> tuple[int | None, int, int]:
     return limit, len(workers), threads
 
 
-def _storage_args(plan: FitPlan, target: str, checkpoint, every, resume, options) -> dict:
-    """Where the factorization keeps P: worker memory, the output group, or the checkpoint."""
+def _storage_args(plan: FitPlan, target: str, checkpoint, every, resume, options,
+                  asked: str = "auto") -> dict:
+    """Where the factorization keeps P: worker memory, the output group, or the checkpoint.
+
+    With a checkpoint, P is where the plan puts it (the commits copy its new
+    columns, or the checkpoint holds it), except that a resumed fit keeps
+    the choice its checkpoint recorded unless ``asked`` (the caller's
+    ``p_storage``) names one.
+    """
     from . import io
 
     if checkpoint is not None:
+        where = "auto" if resume and asked == "auto" else plan.p_storage
         return {"checkpoint": checkpoint, "checkpoint_every": every, "resume": resume,
-                "storage_options": options}
+                "storage_options": options, "p_storage": where}
     if plan.p_storage != "zarr":
         return {}
     return {"p_store": io._join(target, "P"), "storage_options": options}
@@ -400,7 +408,8 @@ def fit_store(
     """Fit :class:`~dkicf.KernelKMeans` on a Zarr dataset and write the output group.
 
     With ``checkpoint`` (a Zarr group), the factorization commits its state
-    every ``checkpoint_every`` iterations and holds P there, and k-means
+    every ``checkpoint_every`` iterations (P's new columns with it, or P
+    itself when the plan keeps P in Zarr), and k-means
     commits its own in the subgroup ``kmeans`` (at its default period, and
     after each run); ``resume=True`` continues a fit that stopped in either
     stage, refusing different data or parameters.  A task that keeps killing
@@ -465,8 +474,10 @@ def fit_store(
             persist=plan.persist_x,
             random_state=icf_seed, progress=progress,
             **_storage_args(plan, target, checkpoint, checkpoint_every, resume,
-                            storage_options),
+                            storage_options, p_storage),
         )
+        # Where P went (a resumed checkpoint keeps its own choice).
+        p_where = icf.info.get("p_storage", plan.p_storage)
         t_icf = time.perf_counter() - t0
         t0 = time.perf_counter()
         km = kmeans(
@@ -474,7 +485,7 @@ def fit_store(
             n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
             random_state=km_seed, client=client, progress=progress,
             # A P kept in Zarr is larger than the cluster's memory: read, not held.
-            persist=plan.p_storage != "zarr",
+            persist=p_where != "zarr",
             **_kmeans_checkpoint_args(checkpoint, resume, storage_options),
         )
         t_km = time.perf_counter() - t0
@@ -486,7 +497,7 @@ def fit_store(
         t0 = time.perf_counter()
         io.write_dask(target, "labels", km.labels.astype(np.int32),
                       storage_options=storage_options)
-        if plan.p_storage != "zarr" or checkpoint is not None:
+        if p_where != "zarr" or checkpoint is not None:
             io.write_dask(target, "P", icf.P, storage_options=storage_options)
         io.write_members(target, arrays, attrs, storage_options=storage_options)
         t_write = time.perf_counter() - t0
@@ -498,7 +509,7 @@ def fit_store(
         "trace_error": float(icf.trace_errors[-1]) if icf.rank else float(icf.initial_trace),
         "n_passes": icf.n_passes,
         "x_in_memory": plan.persist_x,
-        "p_storage": plan.p_storage,
+        "p_storage": p_where,
         "gamma": getattr(icf.kernel, "gamma", None),
         "inertia": km.inertia,
         "icf_s": t_icf,

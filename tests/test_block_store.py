@@ -176,9 +176,11 @@ def test_numpy_crash_then_resume_is_bit_identical(tmp_path, rule, phase, at, res
     assert_same_fit(res, ref)
 
 
+@pytest.mark.parametrize("p_storage", ["memory", "zarr"])
 @pytest.mark.parametrize("rule, phase, at", [("block-greedy", "pass", 6), ("rpcholesky", "P", 4)])
-def test_dask_crash_then_resume_is_bit_identical(client, tmp_path, rule, phase, at):
-    params = dict(PARAMS, pivoting=rule)
+def test_dask_crash_then_resume_is_bit_identical(client, tmp_path, rule, phase, at, p_storage):
+    """P in the checkpoint (its tails in memory) or in worker memory (copied at commits)."""
+    params = dict(PARAMS, pivoting=rule, p_storage=p_storage)
     X = da.from_array(make_X(), chunks=CHUNK)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ck, "COLUMN_BLOCK", COLUMNS)
@@ -192,6 +194,7 @@ def test_dask_crash_then_resume_is_bit_identical(client, tmp_path, rule, phase, 
     res = computed(incomplete_cholesky(X, client=client, checkpoint=str(url), resume=True,
                                        checkpoint_every=EVERY, **params))
     assert res.info["resumed_from"] == saved["rank"] and not res.info["already_finished"]
+    assert res.info["p_storage"] == ref.info["p_storage"] == p_storage
     assert_same_fit(res, ref)
 
 

@@ -59,7 +59,7 @@ CRASH_SCRIPT = textwrap.dedent(
     import dkicf.checkpoint as ck
     from dkicf import incomplete_cholesky
 
-    url, phase, at, kind, params, every, chunk = sys.argv[1:]
+    url, phase, at, kind, params, every, chunk, p_storage = sys.argv[1:]
     at, every, chunk, params = int(at), int(every), int(chunk), json.loads(params)
 
     def crash(name, iteration):
@@ -80,6 +80,7 @@ CRASH_SCRIPT = textwrap.dedent(
         client = Client(LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                                      dashboard_address=None))
         X = da.from_array(X, chunks=chunk)
+        params["p_storage"] = p_storage
     incomplete_cholesky(X, client=client, checkpoint=url, checkpoint_every=every,
                         progress=progress, **{"pivoting": "greedy", **params})
     os._exit(0)
@@ -87,20 +88,22 @@ CRASH_SCRIPT = textwrap.dedent(
 )
 
 
-def crash_driver(url, phase, at, kind):
+def crash_driver(url, phase, at, kind, p_storage="auto"):
     args = [sys.executable, "-c", CRASH_SCRIPT, str(url), phase, str(at), kind,
-            json.dumps(PARAMS), str(EVERY), str(CHUNK)]
+            json.dumps(PARAMS), str(EVERY), str(CHUNK), p_storage]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 3, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(client, tmp_path_factory):
+@pytest.fixture(scope="module", params=["memory", "zarr"])
+def uninterrupted(request, client, tmp_path_factory):
+    """P in worker memory (copied to the checkpoint at each commit), or in the checkpoint."""
     url = tmp_path_factory.mktemp("ref") / "ck.zarr"
     X = da.from_array(make_X(), chunks=CHUNK)
     res = incomplete_cholesky(X, client=client, checkpoint=str(url), checkpoint_every=EVERY,
-                              **PARAMS)
-    return computed(res)
+                              p_storage=request.param, **PARAMS)
+    assert res.info["p_storage"] == request.param
+    return request.param, computed(res)
 
 
 @pytest.mark.parametrize(
@@ -116,14 +119,108 @@ def uninterrupted(client, tmp_path_factory):
 def test_driver_crash_then_resume_is_bit_identical(
     client, tmp_path, uninterrupted, phase, at, resumed_from
 ):
+    p_storage, reference = uninterrupted
     url = tmp_path / "ck.zarr"
-    crash_driver(url, phase, at, "dask")
+    crash_driver(url, phase, at, "dask", p_storage)
     X = da.from_array(make_X(), chunks=CHUNK)
+    # Resumed without saying where P lives: the checkpoint's own choice.
     res = incomplete_cholesky(X, client=client, checkpoint=str(url), resume=True,
                               checkpoint_every=EVERY, **PARAMS)
+    assert res.info["p_storage"] == p_storage
     assert res.info["resumed_from"] == resumed_from
     assert not res.info["already_finished"]
-    assert_same_fit(computed(res), uninterrupted)
+    assert_same_fit(computed(res), reference)
+
+
+@pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])
+def test_a_checkpoint_keeps_p_in_worker_memory_when_it_fits(client, tmp_path, pivoting):
+    """P stays in worker memory (each pass reads it there); the commits copy its new
+    columns, and the fit is the fit without a checkpoint, bit for bit."""
+    import zarr
+
+    X = da.from_array(make_X(), chunks=CHUNK)
+    params = {**PARAMS, "pivoting": pivoting}
+    plain = computed(incomplete_cholesky(X, client=client, **params))
+    url = str(tmp_path / "ck.zarr")
+    res = computed(incomplete_cholesky(X, client=client, checkpoint=url,
+                                       checkpoint_every=3, **params))
+    assert res.info["p_storage"] == "memory"
+    assert_same_fit(res, plain)
+    group = zarr.open_group(url, mode="r")
+    assert group.attrs["dkicf"]["layout"]["p_storage"] == "memory"
+    np.testing.assert_array_equal(group["P"][:, : res.rank], res.P)
+    # The finished checkpoint gives the same result back.
+    again = computed(incomplete_cholesky(X, client=client, checkpoint=url, resume=True,
+                                         checkpoint_every=3, **params))
+    assert again.info["already_finished"]
+    assert_same_fit(again, plain)
+
+
+def test_a_checkpoint_holds_p_when_worker_memory_cannot(client, tmp_path, monkeypatch):
+    from dkicf import _backends
+
+    original = _backends.check_worker_memory
+
+    def no_room_for_p(client, chunks, d, dtype, capacity, store, persist, **kw):
+        if store is None:
+            raise ValueError("P does not fit (test)")
+        return original(client, chunks, d, dtype, capacity, store, persist, **kw)
+
+    monkeypatch.setattr(_backends, "check_worker_memory", no_room_for_p)
+    X = da.from_array(make_X(), chunks=CHUNK)
+    url = str(tmp_path / "ck.zarr")
+    res = computed(incomplete_cholesky(X, client=client, checkpoint=url, checkpoint_every=EVERY,
+                                       **PARAMS))
+    assert res.info["p_storage"] == "zarr"
+    ref = computed(incomplete_cholesky(X, client=client, checkpoint=str(tmp_path / "ref.zarr"),
+                                       checkpoint_every=EVERY, p_storage="zarr", **PARAMS))
+    assert_same_fit(res, ref)
+    # Asked for in memory, it is refused with the reason.
+    with pytest.raises(ValueError, match=r"P does not fit \(test\)"):
+        incomplete_cholesky(X, client=client, checkpoint=str(tmp_path / "m.zarr"),
+                            p_storage="memory", **PARAMS)
+
+
+def test_a_checkpoint_from_before_the_choice_resumes_with_p_in_zarr(client, tmp_path):
+    """Checkpoints that do not record where P lived kept it in Zarr: a resume keeps it
+    there and ends bit-identical to an uninterrupted run."""
+    import zarr
+
+    url = tmp_path / "ck.zarr"
+    crash_driver(url, "commit", 20, "dask", "zarr")
+    group = zarr.open_group(str(url), mode="r+")
+    meta = dict(group.attrs["dkicf"])
+    assert meta["commit"]["p_storage"] == meta["layout"]["p_storage"] == "zarr"
+    for part in ("layout", "commit"):
+        meta[part] = {k: v for k, v in meta[part].items() if k != "p_storage"}
+    group.attrs.update({"dkicf": meta})
+    X = da.from_array(make_X(), chunks=CHUNK)
+    res = computed(incomplete_cholesky(X, client=client, checkpoint=str(url), resume=True,
+                                       checkpoint_every=EVERY, **PARAMS))
+    assert res.info["p_storage"] == "zarr" and res.info["resumed_from"] == 20
+    ref = computed(incomplete_cholesky(X, client=client, checkpoint=str(tmp_path / "ref.zarr"),
+                                       checkpoint_every=EVERY, p_storage="zarr", **PARAMS))
+    assert_same_fit(res, ref)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"p_storage": "disk", "checkpoint": "ck.zarr"},
+         "p_storage must be 'auto', 'memory' or 'zarr', got 'disk'"),
+        ({"p_storage": "memory", "p_store": "P.zarr"}, "drop one of them"),
+        ({"p_storage": "zarr"}, r"needs a Zarr location for P: p_store= \(or checkpoint=\)"),
+    ],
+)
+def test_p_storage_that_contradicts_the_call_is_refused(client, tmp_path, kw, match):
+    kw = {k: str(tmp_path / v) if k in ("checkpoint", "p_store") else v for k, v in kw.items()}
+    X = da.from_array(make_X(), chunks=CHUNK)
+    with pytest.raises(ValueError, match=match):
+        incomplete_cholesky(X, client=client, **PARAMS, **kw)
+    with pytest.raises(ValueError, match="a numpy X and its P live in this process's memory"):
+        incomplete_cholesky(make_X(), p_storage="zarr", checkpoint=str(tmp_path / "c.zarr"),
+                            **PARAMS)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
 @pytest.mark.parametrize(
@@ -256,13 +353,14 @@ def nanny_client(tmp_path_factory):
     os.environ.pop("DKICF_TEST_KILL_MARKER", None)
 
 
-@pytest.mark.parametrize("store", [None, "checkpoint"])
+@pytest.mark.parametrize("store", [None, "memory", "zarr"])
 def test_worker_killed_mid_factorization_changes_nothing(nanny_client, tmp_path, store):
+    """Without a checkpoint, and with one holding P or copying it from worker memory."""
     client, _ = nanny_client
     X = da.from_array(make_X(), chunks=CHUNK)
     kw = {"gamma": 0.5, "max_rank": 16, "tol": 0.0}
     if store:
-        kw["checkpoint_every"] = 6
+        kw.update(checkpoint_every=6, p_storage=store)
     url = (lambda name: str(tmp_path / name)) if store else (lambda name: None)
     ref = computed(incomplete_cholesky(X, client=client, checkpoint=url("ref.zarr"), **kw))
     pids = sorted(client.run(os.getpid).values())
