@@ -681,14 +681,24 @@ class DaskBackend:
         they would live as long as the exception that carries this backend,
         and a retry made inside the ``except`` block (``resume=True``) would
         meet the failed keys of X's chunks again.
+
+        The states go first, in a call of their own: the scheduler then
+        forgets the earlier states under them, which X's chunks feed too.
+        Cancelled together, the scheduler would reach those unwanted
+        earlier states from X's chunks and fail an assertion in its handler,
+        which drops this client's connection (distributed logs it as an
+        error, the client reconnects).
         """
-        futures = [f for f in list(self.states or []) + list(self._x_futs or [])
-                   if f is not None]
+        states = [f for f in list(self.states or []) if f is not None]
+        xs = [f for f in list(self._x_futs or []) if f is not None]
         self.states, self._x_futs = [], None
-        try:
-            self.client.cancel(futures)
-        except Exception:  # pragma: no cover - the cluster itself is gone
-            pass
+        for futures in (states, xs):
+            if not futures:
+                continue
+            try:
+                self.client.cancel(futures)
+            except Exception:  # pragma: no cover - the cluster itself is gone
+                return
 
 
 class _EventInbox:
