@@ -379,10 +379,13 @@ def _scheduler_http(dashboard: bool):
 
 
 def _local_cluster(workers=2, threads=1, memory_limit="auto", dashboard=False):
+    import dask
     from distributed import LocalCluster
 
     _positive_int(workers, "workers")
     _positive_int(threads, "threads")
+    preload = dask.config.get("distributed.worker.preload", None) or []
+    preload = [preload] if isinstance(preload, str) else list(preload)
     with _scheduler_http(dashboard):
         try:
             return LocalCluster(
@@ -393,6 +396,9 @@ def _local_cluster(workers=2, threads=1, memory_limit="auto", dashboard=False):
                 host="127.0.0.1",
                 dashboard_address="127.0.0.1:0",
                 scheduler_kwargs={"dashboard": bool(dashboard)},
+                # Ctrl-C is for the driver, which closes the cluster: the workers
+                # ignore it rather than print tracebacks (see _worker_preload).
+                preload=[*preload, "dkicf._worker_preload"],
             )
         except RuntimeError as exc:
             script = _unguarded_script()

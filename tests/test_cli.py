@@ -327,6 +327,34 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written left
 
 
+@pytest.mark.timeout(240)
+def test_ctrl_c_mid_fit_is_one_line(ring_store, tmp_path):
+    """Ctrl-C reaches the whole foreground process group, local workers included: only
+    the driver reports it, and the staged output is removed."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dkicf.cli", "fit", str(ring_store / "ring.zarr"), "--clusters",
+         "2", "--gamma", "16", "--rank", "2000", "--tol", "0", "--pivoting", "greedy",
+         "--out", str(tmp_path / "m.zarr"), *CLUSTER],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )
+    # The staged output appears once the cluster is up and the factorization starts.
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".m.zarr.dkicf-tmp-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the fit did not start"
+        time.sleep(0.05)
+    time.sleep(3)  # into the factorization's passes
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "dkicf: interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_the_python_pipeline_refuses_an_output_that_is_an_input(tmp_path):
     import zarr
 
