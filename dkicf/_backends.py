@@ -671,6 +671,10 @@ class DaskBackend:
 
     def close(self):
         self._x_step = None
+        # The inbox's stall callback is a method of this backend: without it the
+        # two would form a cycle, and the fit's futures (X's chunks) would outlive
+        # the fit until the garbage collector ran.
+        self._events.on_stall = None
         self._events.close()
 
     def abort(self) -> None:

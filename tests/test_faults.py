@@ -743,3 +743,25 @@ def test_an_interrupted_fit_cancels_cleanly(client, caplog, pivoting):
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == []
     assert res.rank == PARAMS["max_rank"]
+
+
+def test_a_fit_s_tasks_go_when_its_result_goes(client):
+    """No reference cycle keeps a finished fit's futures (X's chunks, states) alive until
+    the garbage collector happens to run: the scheduler forgets them with the result."""
+
+    def fit_tasks(dask_scheduler):
+        return {str(k) for k in dask_scheduler.tasks if "icf-" in str(k)}
+
+    before = client.run_on_scheduler(fit_tasks)
+    X = da.from_array(make_X(), chunks=CHUNK)
+    gc.disable()
+    try:
+        res = incomplete_cholesky(X, client=client, gamma=0.5, max_rank=10, tol=0.0)
+        assert client.run_on_scheduler(fit_tasks) - before  # the result holds its states
+        del res
+        deadline = time.monotonic() + 10
+        while client.run_on_scheduler(fit_tasks) - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(client.run_on_scheduler(fit_tasks) - before) == []
+    finally:
+        gc.enable()
