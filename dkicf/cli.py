@@ -304,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster(p)
     _add_storage(p)
 
-    p = sub.add_parser("info", help="describe a dataset or a model")
-    p.add_argument("path")
+    p = sub.add_parser("info", help="describe a dataset, a model or a fit's checkpoint")
+    p.add_argument("path", help="a Zarr dataset, a model (dkicf fit --out) or a --checkpoint "
+                                "(how far the fit got, where P lives, how to resume)")
     p.add_argument("--rank", type=_positive_int, default=100,
                    help="rank used for the memory estimate of a fit (default: 100)")
     _add_storage(p)

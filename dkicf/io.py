@@ -2075,10 +2075,11 @@ def open_member(url, name: str, *, storage_options: dict | None = None):
 
 
 def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:
-    """What is at ``url``: ``("dataset" | "model" | "labels" | "group", details)``.
+    """What is at ``url``: ``("dataset" | "model" | "checkpoint" | "labels" | "group", details)``.
 
     Details are JSON-ready: shape, chunks, dtype and sizes for a dataset;
-    kernel, rank and sizes for a model.
+    kernel, rank and sizes for a model; for a fit's checkpoint, how far the
+    factorization and k-means got and where P lives.
     """
     url = os.fspath(url)
     node = _probe(url, storage_options)
@@ -2088,6 +2089,9 @@ def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:
     names = _group_arrays(url, storage_options)
     group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
     attrs = dict(group.attrs)
+    meta = attrs.get("dkicf")
+    if isinstance(meta, dict) and meta.get("kind") == "icf-checkpoint":
+        return "checkpoint", _checkpoint_details(url, meta, storage_options)
     if attrs.get("format") == "dkicf-model":
         details = {
             "kernel": attrs.get("kernel"),
@@ -2112,6 +2116,60 @@ def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:
     if attrs.get("format") == "dkicf-labels":
         return "labels", {"arrays": names, "model": attrs.get("model")}
     return "group", {"arrays": names}
+
+
+def _checkpoint_details(url: str, meta: dict, storage_options: dict | None) -> dict:
+    """How far the checkpointed fit at ``url`` got (see :mod:`dkicf.checkpoint`)."""
+    fingerprint = meta.get("fingerprint") or {}
+    params = dict(fingerprint.get("params") or {})
+    data = fingerprint.get("input") or {}
+    layout = meta.get("layout") or {}
+    commit = meta.get("commit")
+    capacity = layout.get("capacity", params.get("max_rank"))
+    kernel = {k: params[k] for k in ("kernel", "gamma", "degree", "coef0") if k in params}
+    details: dict = {"input": f"shape {data.get('shape')}, row chunks {data.get('chunks')}",
+                     "kernel": kernel, "pivoting": params.get("pivoting")}
+    if not commit:
+        details["factorization"] = f"started, nothing committed yet (rank up to {capacity})"
+    else:
+        done = "finished" if commit.get("finished") else "in progress"
+        line = (f"{done}: iteration {commit['iteration']}, rank {commit['rank']} of at most "
+                f"{capacity}")
+        if commit.get("stop_reason"):
+            line += f", stopped by {commit['stop_reason']}"
+        if commit.get("trace_errors"):
+            line += f", trace error {commit['trace_errors'][-1]:.6g}"
+        details["factorization"] = line
+        where = commit.get("p_storage") or layout.get("p_storage") or "zarr"
+        details["P"] = ("in worker memory, its columns copied here at each commit"
+                        if where == "memory" else "held here (Zarr)")
+    details["k-means"] = _kmeans_checkpoint_line(_join(url, "kmeans"), storage_options)
+    if not (commit and commit.get("finished")) or "not started" in details["k-means"]:
+        details["resume"] = (f"dkicf fit <the same data> --checkpoint {url} --resume, with the "
+                             "same parameters")
+    return details
+
+
+def _kmeans_checkpoint_line(url: str, storage_options: dict | None) -> str:
+    """The state of the k-means checkpoint that a fit keeps beside its factorization."""
+    try:
+        group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+        meta = dict(group.attrs).get("dkicf") or {}
+    except Exception:  # no such subgroup: k-means has not started
+        return "not started"
+    commit = meta.get("commit")
+    if not isinstance(commit, dict):
+        return "started, nothing committed yet"
+    state = commit.get("state") or {}
+    n_init = (meta.get("fingerprint") or {}).get("params", {}).get("n_init")
+    best = state.get("best") or {}
+    if commit.get("finished"):
+        line = f"finished: {n_init} run(s)"
+    else:
+        line = f"in progress: run {int(state.get('restart', 0)) + 1} of {n_init}"
+    if best.get("inertia") is not None:
+        line += f", best inertia {best['inertia']:.6g}"
+    return line
 
 
 def _array_details(arr) -> dict:

@@ -721,3 +721,56 @@ def test_a_late_write_does_not_bring_back_an_abandoned_staging_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="abandoned"):
         late[0:25] = np.arange(25)
     assert list(tmp_path.iterdir()) == []  # not recreated
+
+
+def test_info_on_a_checkpoint_says_how_far_the_fit_got(tmp_path, monkeypatch):
+    """`dkicf info` on a fit's checkpoint: the factorization's commit, where P lives,
+    k-means, and how to resume."""
+    import dkicf.checkpoint as ck
+    from dkicf import incomplete_cholesky
+    from dkicf.kmeans import kmeans
+    from dkicf.pipeline import describe
+
+    X = np.random.default_rng(5).normal(size=(300, 3))
+    params = dict(gamma=0.5, max_rank=20, tol=0.0, pivoting="greedy", checkpoint_every=5)
+
+    class Crash(Exception):
+        pass
+
+    def crash_at(phase, at):
+        def hook(name, iteration):
+            if (name, iteration) == (phase, at):
+                raise Crash
+        return hook
+
+    url = str(tmp_path / "ck.zarr")
+    monkeypatch.setattr(ck, "_fault_hook", crash_at("P", 5))  # before the first commit
+    with pytest.raises(Crash):
+        incomplete_cholesky(X, checkpoint=url, **params)
+    kind, details = io.inspect(url)
+    assert kind == "checkpoint"
+    assert details["factorization"] == "started, nothing committed yet (rank up to 20)"
+    assert details["k-means"] == "not started" and "--resume" in details["resume"]
+
+    monkeypatch.setattr(ck, "_fault_hook", crash_at("commit", 15))  # just after a commit
+    with pytest.raises(Crash):
+        incomplete_cholesky(X, checkpoint=url, resume=True, **params)
+    kind, details = io.inspect(url)
+    ref = incomplete_cholesky(X, gamma=0.5, max_rank=15, tol=0.0, pivoting="greedy")
+    assert details["factorization"] == (
+        f"in progress: iteration 15, rank 15 of at most 20, trace error "
+        f"{ref.trace_errors[-1]:.6g}"
+    )
+    assert details["P"] == "in worker memory, its columns copied here at each commit"
+    assert details["kernel"] == {"kernel": "gaussian", "gamma": 0.5}
+    assert details["input"] == "shape [300, 3], row chunks [300]"
+
+    monkeypatch.setattr(ck, "_fault_hook", None)
+    res = incomplete_cholesky(X, checkpoint=url, resume=True, **params)
+    km = kmeans(res.P, 3, n_init=2, random_state=0, checkpoint=io._join(url, "kmeans"))
+    lines = describe(url)
+    assert lines[0] == f"{url}: checkpoint"
+    assert "  factorization: finished: iteration 20, rank 20 of at most 20, stopped by " \
+           "max_rank, trace error " in "\n".join(lines)
+    assert f"  k-means: finished: 2 run(s), best inertia {km.inertia:.6g}" in lines
+    assert not any(line.startswith("  resume:") for line in lines)  # nothing left to do
