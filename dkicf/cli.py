@@ -293,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeps the checkpoint's choice)")
     p.add_argument("--persist", choices=["auto", "yes", "no"], default="auto",
                    help="hold X in worker memory (default: when it fits)")
+    p.add_argument("--save-p", action=argparse.BooleanOptionalAction, default=True,
+                   help="write P (n x rank float64, the training points' features) into the "
+                        "output; --no-save-p leaves it out: predict needs only the model "
+                        "(default: --save-p)")
     _add_output(p)
     _add_cluster(p)
     _add_storage(p)
@@ -541,6 +545,7 @@ def _cmd_fit(args) -> int:
                 p_storage=args.p_storage, persist=args.persist,
                 storage_options=storage_options, progress=progress,
                 checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                save_p=args.save_p,
                 resume=args.resume,
             )
         finally:

@@ -1998,6 +1998,15 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_member(group_url, name: str, *, storage_options: dict | None = None) -> None:
+    """Remove the member ``name`` of a group being built (inside :func:`staged_group`)."""
+    group = zarr.open_group(
+        store=_store(os.fspath(group_url), storage_options, read_only=False), mode="r+"
+    )
+    if name in group:
+        del group[name]
+
+
 def write_members(
     group_url, arrays: dict, attrs: dict, *, storage_options: dict | None = None
 ) -> None:

@@ -404,6 +404,7 @@ def fit_store(
     checkpoint: str | None = None,
     checkpoint_every: int = 25,
     resume: bool = False,
+    save_p: bool = True,
 ) -> dict:
     """Fit :class:`~dkicf.KernelKMeans` on a Zarr dataset and write the output group.
 
@@ -419,7 +420,9 @@ def fit_store(
 
     The output group holds the model (pivots, pivot rows of X, L, centres,
     trace errors, kernel and parameters, versions, input fingerprint) and the
-    ``labels`` and ``P`` arrays chunked like X.
+    ``labels`` and ``P`` arrays chunked like X.  ``P`` (``8 * n * rank``
+    bytes: the training points' features, what ``transform`` gives for
+    them) is left out with ``save_p=False``; predicting needs only the model.
 
     Relative local paths (``store``, ``out``, ``checkpoint``) are taken in this
     process's working directory and made absolute before anything is sent to
@@ -497,7 +500,10 @@ def fit_store(
         t0 = time.perf_counter()
         io.write_dask(target, "labels", km.labels.astype(np.int32),
                       storage_options=storage_options)
-        if p_where != "zarr" or checkpoint is not None:
+        if not save_p:
+            if p_where == "zarr" and checkpoint is None:  # written there by the fit
+                io.remove_member(target, "P", storage_options=storage_options)
+        elif p_where != "zarr" or checkpoint is not None:
             io.write_dask(target, "P", icf.P, storage_options=storage_options)
         io.write_members(target, arrays, attrs, storage_options=storage_options)
         t_write = time.perf_counter() - t0
