@@ -901,8 +901,15 @@ def test_jobqueue_examples_print_their_script(kind, capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(["in.zarr", "out.zarr", "--print-script", "--cores", "8", "--processes", "2",
-                 "--memory", "32GiB", "--queue", "q1"])
-    script = capsys.readouterr().out
+                 "--memory", "32GiB", "--queue", "q1", "--shared-dir", "/home/me/.dkicf"])
+    printed = capsys.readouterr()
+    script = printed.out
+    assert script.startswith("#!")  # stdout is the script alone
+    # The script shows plain TCP; stderr says what is really submitted.
+    assert "tcp://" in script
+    assert "connect over tls://" in printed.err and "/home/me/.dkicf" in printed.err
+    module.main(["in.zarr", "out.zarr", "--print-script", "--cores", "8", "--no-tls"])
+    assert capsys.readouterr().err == ""
     command = _worker_command(script)
     assert _flag(command, "--nthreads") == "4"
     assert _flag(command, "--nworkers") == "2"

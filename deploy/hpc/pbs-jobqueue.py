@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from dkicf.deploy import jobqueue_script, start_cluster
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.print_script:
         print(jobqueue_script("pbs", **options))
+        if not args.no_tls:  # on stderr: stdout stays the script
+            print(f"note: as submitted, the workers connect over tls://, with throwaway "
+                  f"certificates that the cluster writes into {args.shared_dir} when it starts "
+                  "(--tls-ca-file, --tls-cert and --tls-key in the worker command); the script "
+                  "above shows plain tcp://, which only --no-tls submits.", file=sys.stderr)
         return
     if args.no_tls:
         options.update(security=False)  # plain TCP, as asked (start_cluster warns)
