@@ -1284,6 +1284,14 @@ def task_transient(rows: int, d: int, itemsize: int, columns: int | None = None,
     return rows * (per_row + 8 * columns) + int(stream)
 
 
+def pass_transient(rows: int, d: int, itemsize: int, capacity: int, columns: int | None,
+                   p_rows: int | None) -> int:
+    """:func:`task_transient` of one task of a pass over ``rows`` rows, with P in
+    Zarr (``columns`` per Zarr chunk) the flushed columns it streams included."""
+    stream = 0 if columns is None else stream_bytes(rows, capacity, p_rows)
+    return task_transient(rows, d, itemsize, columns, stream)
+
+
 def memory_fits(room: float, held: float, threads: int, transient: float) -> bool:
     """Whether states holding ``held`` bytes and ``threads`` tasks of ``transient`` bytes
     fit a worker's ``room`` (``fraction * limit - baseline``): the tasks within
@@ -1317,8 +1325,7 @@ def store_width(room: float, rows: int, threads: int, cap: int,
     per_task = max(1, math.ceil(rows / max(threads, 1)))
 
     def fits(cb: int) -> bool:
-        stream = stream_bytes(per_task, cap, p_rows)
-        transient = per_task * (8 * 2 + 8 * cb) + stream
+        transient = pass_transient(per_task, 0, 8, cap, cb, p_rows)  # X left out: d = 0
         return memory_fits(room, held_bytes(rows, 0, 8, cap, False, cb), threads, transient)
 
     return largest_rows(fits, cap)
@@ -1340,9 +1347,8 @@ def least_limit(workers: _Workers, n: int, cap: int) -> float:
     """Smallest memory limit per worker at which P in Zarr fits ``n`` rows (a column a chunk)."""
     rows = workers.rows(n)
     per_task = max(1, math.ceil(rows / workers.threads))
-    stream = stream_bytes(per_task, cap)
     held = held_bytes(rows, 0, 8, cap, False, 1)
-    transient = per_task * (8 * 2 + 8) + stream
+    transient = pass_transient(per_task, 0, 8, cap, 1, _P_ROWS)  # X left out: d = 0
     room = held + workers.threads * transient / _TASK_SHARE
     hold = 8 * (_STATE_VECTORS + 1) * n / (_STORE_HOLD_FRACTION * workers.count)
     return max((room + workers.baseline) / workers.fraction, hold)
@@ -1445,8 +1451,7 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
         p_rows = _p_rows(chunks) if store is not None else _P_ROWS
 
         def transient(rows):
-            stream = stream_bytes(rows, capacity, p_rows) if store is not None else 0
-            return task_transient(rows, d, itemsize, columns, stream)
+            return pass_transient(rows, d, itemsize, capacity, columns, p_rows)
 
     for g in range(n_threads, m + 1):
         # Cut at the chunk boundaries nearest to equal shares of rows.
@@ -1487,8 +1492,7 @@ def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, per
     p_rows = _p_rows(chunks) if store is not None else _P_ROWS
 
     def transient(r: int) -> int:
-        stream = stream_bytes(r, capacity, p_rows) if store is not None else 0
-        return task_transient(r, d, itemsize, columns, stream)
+        return pass_transient(r, d, itemsize, capacity, columns, p_rows)
 
     def held(r: int) -> int:
         return held_bytes(max(share, r), d, itemsize, capacity, hold_x, columns)

@@ -20,8 +20,7 @@ from ._backends import (
     largest_rows,
     least_limit,
     memory_fits,
-    stream_bytes,
-    task_transient,
+    pass_transient,
     usable_memory_fraction,
     zarr_width,
 )
@@ -179,11 +178,9 @@ def plan_fit(
              copies: int | None = None) -> bool:
         """Whether chunks of ``rows`` rows fit the factorization and then k-means."""
         held = held_bytes(max(rows_w, rows), d, itemsize, s, hold_x, columns)
-        if columns is None:
-            transient = task_transient(rows, d, itemsize)
-        else:
-            stream = stream_bytes(rows, s, min(rows, _p_rows(rows) if p_rows is None else p_rows))
-            transient = task_transient(rows, d, itemsize, columns, stream)
+        zarr_rows = None if columns is None else min(
+            rows, _p_rows(rows) if p_rows is None else p_rows)
+        transient = pass_transient(rows, d, itemsize, s, columns, zarr_rows)
         if not memory_fits(room, held, threads, transient):
             return False
         # k-means: P in memory is held (a second time if the factorization
@@ -251,9 +248,8 @@ def plan_fit(
         )
     if rows < chunk_rows:
         chunk_rows, rechunked = rows, True
-    task = held_bytes(chunk_rows, d, itemsize, s, persist_x, columns) + task_transient(
-        chunk_rows, d, itemsize, columns,
-        0 if columns is None else stream_bytes(chunk_rows, s, _p_rows(chunk_rows)))
+    task = held_bytes(chunk_rows, d, itemsize, s, persist_x, columns) + pass_transient(
+        chunk_rows, d, itemsize, s, columns, None if columns is None else _p_rows(chunk_rows))
     return FitPlan(
         chunk_rows=chunk_rows, n_chunks=math.ceil(n / chunk_rows), task_bytes=int(task),
         persist_x=persist_x, p_storage=p_storage, rechunked=rechunked, p_columns=columns,
