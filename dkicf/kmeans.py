@@ -4,7 +4,7 @@ Kernel k-means on an incomplete Cholesky factorization ``K ~ P P^T`` is plain
 k-means on the rows of P.  This module clusters those rows: in this process
 for a numpy P, and on a ``distributed`` cluster for a dask P chunked by rows.
 
-Two algorithms share one layout:
+Three algorithms share one layout:
 
 * ``"minibatch"`` (Sculley 2010, as scikit-learn's ``MiniBatchKMeans``): the
   driver draws the batches' global row indices from its own generator, fetches
@@ -12,7 +12,12 @@ Two algorithms share one layout:
   indices do not depend on the centres) and updates the centres itself;
 * ``"lloyd"``: one pass over P per iteration; each row chunk returns its
   per-centre sums and counts, its inertia and its few farthest points, and the
-  driver reduces them in chunk order.
+  driver reduces them in chunk order;
+* ``"minibatch-lloyd"`` (the default): mini-batch steps bring the centres close
+  cheaply, then Lloyd passes take them to Lloyd's fixed point.
+
+Centres start from k-means++ on a seeded sample of rows, or from k-means||
+(Bahmani et al. 2012): a few passes that oversample candidates from all of P.
 
 Row chunks never leave the workers: the driver receives sampled rows and
 per-chunk summaries of size ``O(k s)``, and labels stay a dask array chunked
@@ -49,7 +54,8 @@ __all__ = ["ALGORITHMS", "KMeansProgress", "KMeansResult", "assign", "kmeans"]
 
 logger = logging.getLogger(__name__)
 
-ALGORITHMS = ("lloyd", "minibatch")
+ALGORITHMS = ("minibatch-lloyd", "minibatch", "lloyd")
+INITS = ("k-means++", "k-means||")
 
 # Mini-batch: a centre whose count is below this fraction of the largest count
 # is starved (it sits where almost no data is) and is re-seeded.
@@ -65,6 +71,9 @@ _TIE_RTOL = 1e-12
 # Default steps between checkpoint commits: a commit costs a few small writes,
 # about what a mini-batch step costs; a Lloyd iteration is a pass over P.
 _CHECKPOINT_EVERY = {"minibatch": 100, "lloyd": 5}
+# k-means||: rounds of oversampling, and candidates drawn per round per cluster.
+_PARALLEL_ROUNDS = 5
+_PARALLEL_OVERSAMPLING = 2
 
 
 @dataclass
@@ -90,6 +99,9 @@ class KMeansProgress:
         Sum of the squared movements of the centres in this step.
     elapsed : float
         Seconds since :func:`kmeans` started.
+    phase : {"minibatch", "lloyd"}
+        The phase of the run: mini-batch steps, or Lloyd iterations (a pass
+        over P each).  ``step`` counts the steps of this phase.
     """
 
     restart: int
@@ -99,6 +111,7 @@ class KMeansProgress:
     inertia: float
     center_shift: float
     elapsed: float
+    phase: str = "minibatch"
 
 
 @dataclass
@@ -117,15 +130,16 @@ class KMeansResult:
         Sum of the squared distances of the rows to their nearest centre,
         from a full pass over P.
     n_iter : int
-        Mini-batch steps or Lloyd iterations of the kept run.
+        Mini-batch steps plus Lloyd iterations of the kept run.
     n_steps_total : int
         Steps (iterations) of all runs together.
     inertias : list of float
         Full-pass inertia of each run, in run order.
-    stop_reason : {"tol", "no_improvement", "max_iter"}
-        Why the kept run stopped: the centres' movement fell below the
-        tolerance, the smoothed batch inertia stopped improving (mini-batch
-        only), or the step cap.
+    stop_reason : {"converged", "tol", "no_improvement", "max_iter"}
+        Why the kept run's last phase stopped: no label changed in a Lloyd
+        pass (the centres stayed put), the tolerance was reached (see
+        ``tol`` of :func:`kmeans`), the smoothed batch inertia stopped
+        improving (mini-batch only), or the step cap.
     info : dict
         With ``checkpoint=``: its location (``"checkpoint"``), where the fit
         continued from (``"resumed_from"``: ``{"restart": r, "step": s}``, or
@@ -252,6 +266,84 @@ def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int, check: bool = 
     }
 
 
+def _chunk_nearest_update(p, offset: int, state, cands: np.ndarray, first: int,
+                          check: bool = True):
+    """k-means||: distance of each row to its nearest candidate, updated with new candidates.
+
+    ``state`` is None or the chunk's ``(d2, label)`` for the candidates so
+    far; ``cands`` are the new ones, numbered from ``first``.  A row moves to
+    a new candidate only if it is strictly nearer (ties to the lowest
+    number, as an argmin over all candidates).  Returns the new state and
+    its sum of squared distances.
+    """
+    n = p.shape[0]
+    if state is None:
+        d2, label = np.full(n, np.inf), np.zeros(n, dtype=np.int64)
+    else:
+        d2, label = state[0].copy(), state[1].copy()
+    c_sq = np.einsum("ij,ij->i", cands, cands)
+    step = max(256, _BLOCK_ELEMENTS // cands.shape[0])
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        x = np.asarray(p[lo:hi], dtype=np.float64)
+        if check:
+            _check_finite(x, offset + lo)
+        near, dist = _nearest(x, cands, c_sq)
+        better = dist < d2[lo:hi]
+        d2[lo:hi][better] = dist[better]
+        label[lo:hi][better] = near[better] + first
+    return (d2, label), float(d2.sum())
+
+
+def _uniform(key: int, index: np.ndarray) -> np.ndarray:
+    """Uniform numbers in [0, 1), one per global row index, from a counter-based hash.
+
+    SplitMix64 of ``key + index * golden``: a row's number depends on the key
+    and its index only, not on the chunk that holds it.
+    """
+    with np.errstate(over="ignore"):
+        z = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _chunk_oversample(p, offset: int, state, phi: float, ell: float, key: int):
+    """k-means||: rows drawn independently with probability ``min(1, ell d2 / phi)``.
+
+    Returns their global indices and the rows (float64).
+    """
+    d2 = state[0]
+    u = _uniform(key, np.arange(offset, offset + d2.shape[0], dtype=np.int64))
+    local = np.flatnonzero(u * phi < ell * d2)
+    return local + offset, np.asarray(p[local], dtype=np.float64).reshape(local.size, p.shape[1])
+
+
+def _state_counts(state, m: int) -> np.ndarray:
+    """k-means||: how many rows of the chunk each of the ``m`` candidates is nearest to."""
+    return np.bincount(state[1], minlength=m)
+
+
+def _chunk_distinct(p, offset: int, k: int, direction: np.ndarray,
+                    check: bool = True) -> np.ndarray:
+    """Up to ``k`` distinct projections of the chunk's rows on ``direction``.
+
+    Equal rows have equal projections; distinct rows have distinct ones
+    (almost surely, for a random direction).  The chunk is read in blocks
+    and the scan stops once ``k`` are found, usually in the first block.
+    """
+    found = np.empty(0)
+    for lo in range(0, p.shape[0], 4096):
+        x = np.asarray(p[lo:lo + 4096], dtype=np.float64)
+        if check:
+            _check_finite(x, offset + lo)
+        found = np.unique(np.concatenate([found, x @ direction]))
+        if found.size >= k:
+            break
+    return found[:k]
+
+
 def _chunk_take(p, local: np.ndarray) -> np.ndarray:
     """Rows of a chunk at local indices, as float64."""
     return np.asarray(p[local], dtype=np.float64)
@@ -287,6 +379,19 @@ class _NumpyBackend:
     def full_pass(self, centers: np.ndarray):
         labels, stats = _chunk_assign(self.P, 0, centers, False)
         return labels, [stats]
+
+    def nearest_update(self, state, cands: np.ndarray, first: int):
+        new, phi = _chunk_nearest_update(self.P, 0, state, cands, first, False)
+        return new, [phi]
+
+    def oversample(self, state, phi: float, ell: float, key: int):
+        return _chunk_oversample(self.P, 0, state, phi, ell, key)
+
+    def candidate_counts(self, state, m: int) -> np.ndarray:
+        return _state_counts(state, m)
+
+    def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
+        return [_chunk_distinct(self.P, 0, k, direction, False)]
 
     def digests(self) -> tuple[tuple[int, ...], list[str]]:
         """Row chunks and one digest per chunk: the data's fingerprint."""
@@ -374,6 +479,38 @@ class _DaskBackend:
         )
         return labels, stats
 
+    def nearest_update(self, state, cands: np.ndarray, first: int):
+        """k-means|| pass: new per-chunk states (futures, kept on the workers) and their sums."""
+        both = [
+            self._submit("kmpar", _chunk_nearest_update, j, int(off),
+                         None if state is None else state[j], cands, first)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        new = [self.client.submit(operator.getitem, f, 0, key=f"{f.key}-state") for f in both]
+        phi = self.client.gather(
+            [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-phi") for f in both]
+        )
+        return new, phi
+
+    def oversample(self, state, phi: float, ell: float, key: int):
+        futs = [
+            self._submit("kmpar-draw", _chunk_oversample, j, int(off), state[j], phi, ell, key)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        parts = self.client.gather(futs)
+        return (np.concatenate([i for i, _ in parts]),
+                np.concatenate([r for _, r in parts]).reshape(-1, self.s))
+
+    def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
+        futs = [self._submit("distinct", _chunk_distinct, j, int(off), k, direction)
+                for j, off in enumerate(self.offsets[:-1])]
+        return self.client.gather(futs)
+
+    def candidate_counts(self, state, m: int) -> np.ndarray:
+        futs = [self.client.submit(_state_counts, st, m, key=f"{st.key}-counts-{m}")
+                for st in state]
+        return np.sum(self.client.gather(futs), axis=0)
+
     def digests(self) -> tuple[tuple[int, ...], list[str]]:
         """Row chunks and one digest per chunk, hashed where the chunks live."""
         futs = [self._submit("digest", chunk_digest, j) for j in range(len(self.chunks))]
@@ -421,7 +558,7 @@ def _full_pass(backend, centers: np.ndarray):
 class _Config:
     n_clusters: int
     algorithm: str
-    init: np.ndarray | None
+    init: np.ndarray | str
     batch_size: int
     n_init: int
     max_iter: int
@@ -457,7 +594,7 @@ class _Position:
         if self.phase == "labels":
             return f"the assignment pass for the labels of the best run ({run})"
         if self.phase == "init":
-            return f"{run}, initialisation (k-means++ on the init sample)"
+            return f"{run}, initialisation"
         if self.phase == "assign":
             return f"{run}, final assignment pass"
         if self.phase == "lloyd":
@@ -470,23 +607,71 @@ class _Position:
         return where
 
 
-def _initial_centers(backend, cfg: _Config, rng: np.random.Generator):
-    """Centres from k-means++ on a seeded sample of rows, and the sample's mean feature variance.
+def _initial_centers(backend, cfg: _Config, rng: np.random.Generator, pos: _Position):
+    """Initial centres, and the mean feature variance of a seeded sample of rows.
 
     The sample is drawn by global row index, so it is the same rows whatever
-    the chunking; only those rows are fetched.
+    the chunking; only those rows are fetched.  k-means++ runs on it;
+    k-means|| reclusters its weighted candidates and uses the sample only
+    for the variance, which scales ``tol``.
     """
-    from sklearn.cluster import kmeans_plusplus
+    from sklearn.cluster import KMeans, kmeans_plusplus
 
     index = np.sort(rng.choice(backend.n, size=cfg.init_size, replace=False))
     sample = backend.rows(index)
     _check_finite(sample, index)
     variance = float(np.mean(np.var(sample, axis=0)))
-    if cfg.init is not None:
+    if not isinstance(cfg.init, str):
         return cfg.init.copy(), variance
     seed = int(rng.integers(2**31 - 1))
-    centers, _ = kmeans_plusplus(sample, cfg.n_clusters, random_state=seed)
+    if cfg.init == "k-means++":
+        centers, _ = kmeans_plusplus(sample, cfg.n_clusters, random_state=seed)
+        return np.asarray(centers, dtype=np.float64), variance
+    cands, weights = _oversample(backend, cfg.n_clusters, rng, pos)
+    # One weighted k-means++ start and Lloyd on the candidates: the runs' own
+    # candidates and starts keep the runs diverse.
+    centers, _ = kmeans_plusplus(cands, cfg.n_clusters, sample_weight=weights,
+                                 random_state=seed)
+    centers = KMeans(cfg.n_clusters, init=centers, n_init=1, random_state=seed).fit(
+        cands, sample_weight=weights).cluster_centers_
     return np.asarray(centers, dtype=np.float64), variance
+
+
+def _oversample(backend, k: int, rng: np.random.Generator, pos: _Position):
+    """The candidates of k-means|| (Bahmani et al. 2012) and their weights.
+
+    One row drawn uniformly starts the candidates.  Each of
+    ``_PARALLEL_ROUNDS`` rounds draws every row independently with
+    probability ``min(1, l d2 / phi)`` (``l = 2k``, ``d2`` its squared
+    distance to the nearest candidate, ``phi`` their sum) and adds the drawn
+    rows; one pass over P per round updates the distances, which stay on the
+    workers.  A candidate's weight is the number of rows nearest to it.
+    Draws hash the global row index, so the candidates do not depend on the
+    chunking.
+    """
+    ell = float(_PARALLEL_OVERSAMPLING * k)
+    pos.at("init", 0)
+    cands = backend.rows(np.array([rng.integers(backend.n)]))
+    state, phis = backend.nearest_update(None, cands, 0)
+    for rnd in range(1, _PARALLEL_ROUNDS + 1):
+        phi = math.fsum(phis)
+        key = int(rng.integers(np.iinfo(np.int64).max))
+        if not phi > 0:
+            break
+        pos.at("init", rnd)
+        _, rows = backend.oversample(state, phi, ell, key)
+        if rows.shape[0] == 0:
+            continue
+        state, phis = backend.nearest_update(state, rows, cands.shape[0])
+        cands = np.concatenate([cands, rows])
+    weights = backend.candidate_counts(state, cands.shape[0]).astype(np.float64)
+    if np.unique(cands, axis=0).shape[0] < k:
+        # Fewer distinct candidates than clusters (P's rows sit on a few
+        # points): rows drawn uniformly fill in, as k-means++ would.
+        extra = backend.rows(np.sort(rng.choice(backend.n, size=k, replace=False)))
+        cands = np.concatenate([cands, extra])
+        weights = np.concatenate([weights, np.ones(k)])
+    return cands, weights
 
 
 def _reseed_starved(centers, counts, x, d2, rng: np.random.Generator) -> None:
@@ -583,7 +768,7 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
         # The first batch measures the initial centres: the average starts at step 2.
         if step > 1:
             ewa = mean_inertia if ewa is None else ewa * (1 - alpha) + mean_inertia * alpha
-        report(step, n * (mean_inertia if ewa is None else ewa), shift)
+        report(step, n * (mean_inertia if ewa is None else ewa), shift, "minibatch")
         if step > 1:
             if cfg.tol > 0 and shift <= tol_abs:
                 stop = "tol"
@@ -595,10 +780,10 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
             if cfg.max_no_improvement is not None and no_improvement >= cfg.max_no_improvement:
                 stop = "no_improvement"
                 break
-        if ckpt is not None and ckpt.due(step, cfg.max_iter):
+        if ckpt is not None and ckpt.due(step, cfg.max_iter, "minibatch"):
             ckpt.save(step, {"centers": centers, "counts": counts}, {
-                "step": step, "tol_abs": tol_abs, "ewa": ewa, "ewa_min": ewa_min,
-                "no_improvement": no_improvement, "since_reseed": since_reseed,
+                "phase": "minibatch", "step": step, "tol_abs": tol_abs, "ewa": ewa,
+                "ewa_min": ewa_min, "no_improvement": no_improvement, "since_reseed": since_reseed,
                 "fetch": fetch, "reseed_rng": reseed_rng.bit_generator.state,
             })
     return centers, step, stop
@@ -633,10 +818,18 @@ def _relocate_empty(backend, sums, counts, parts, n_far: int) -> None:
 
 
 def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
-               pos: _Position):
+               pos: _Position, refine: bool = False, done: int = 0):
+    """Lloyd iterations until the centres stay put, ``tol`` or ``max_iter``.
+
+    Alone (``refine=False``), ``tol`` bounds the centres' movement as in
+    scikit-learn's ``KMeans``.  After mini-batch steps (``refine=True``,
+    ``done`` of them), a run stops when no label changes or when a pass
+    lowers the inertia by at most ``tol`` times itself.
+    """
     k, s = centers.shape
     stop = "max_iter"
     first = 1 if saved is None else saved["step"] + 1
+    previous = None if saved is None else saved.get("inertia")
     for it in range(first, cfg.max_iter + 1):
         pos.at("lloyd", it)
         parts = backend.lloyd_pass(centers, k)
@@ -645,20 +838,33 @@ def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
         for part in parts:  # chunk order, whatever worker answered first
             sums += part["sums"]
             counts += part["counts"]
-        if (counts == 0).any():
+        relocated = bool((counts == 0).any())
+        if relocated:
             _relocate_empty(backend, sums, counts, parts, k)
         new = centers.copy()
         full = counts > 0
         new[full] = sums[full] / counts[full, None]
         shift = float(np.sum((new - centers) ** 2))
         centers = new
-        report(it, math.fsum(p["inertia"] for p in parts), shift)
-        if shift <= tol_abs:
+        inertia = math.fsum(p["inertia"] for p in parts)
+        report(it, inertia, shift, "lloyd")
+        if shift == 0.0:  # the same labels as the pass before: Lloyd's fixed point
+            # This pass measured the final centres: no assignment pass is needed.
+            return centers, it, "converged", None if relocated else (inertia, counts)
+        if refine:
+            if previous is not None and previous - inertia <= cfg.tol * inertia:
+                stop = "tol"
+                break
+        elif shift <= tol_abs:
             stop = "tol"
             break
-        if ckpt is not None and ckpt.due(it, cfg.max_iter):
-            ckpt.save(it, {"centers": centers}, {"step": it, "tol_abs": tol_abs})
-    return centers, it, stop
+        previous = inertia
+        if ckpt is not None and ckpt.due(it, cfg.max_iter, "lloyd"):
+            ckpt.save(done + it, {"centers": centers}, {
+                "phase": "lloyd", "step": it, "tol_abs": tol_abs, "inertia": inertia,
+                "done": done,
+            })
+    return centers, it, stop, None
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -697,7 +903,7 @@ class _Checkpointer:
     counters.  The best centres are written only when they change.
     """
 
-    def __init__(self, store, every: int):
+    def __init__(self, store, every: dict):
         self.store, self.every = store, every
         self.runs: _Runs | None = None
         self._best_saved = None
@@ -706,9 +912,10 @@ class _Checkpointer:
     def url(self) -> str:
         return self.store.url
 
-    def due(self, step: int, max_iter: int) -> bool:
-        """Whether to commit after ``step`` (never after a run's last: the run's end commits)."""
-        return step % self.every == 0 and step < max_iter
+    def due(self, step: int, max_iter: int, phase: str) -> bool:
+        """Whether to commit after ``step`` of ``phase`` (never after its last: the run's
+        end, or the next phase, commits)."""
+        return step % self.every[phase] == 0 and step < max_iter
 
     def save(self, step: int = 0, arrays: dict | None = None, run: dict | None = None) -> None:
         """Commit the runs so far and, with ``run``, the state of the current run at ``step``."""
@@ -787,7 +994,7 @@ def _open_checkpoint(backend, P, cfg: _Config, seed, url, every, resume: bool,
 
     params = {
         "n_clusters": cfg.n_clusters, "algorithm": cfg.algorithm,
-        "init": "k-means++" if cfg.init is None else f"array {chunk_digest(cfg.init)}",
+        "init": cfg.init if isinstance(cfg.init, str) else f"array {chunk_digest(cfg.init)}",
         "batch_size": cfg.batch_size, "n_init": cfg.n_init, "max_iter": cfg.max_iter,
         "tol": cfg.tol, "max_no_improvement": cfg.max_no_improvement,
         "init_size": cfg.init_size, "random_state": seed,
@@ -820,7 +1027,8 @@ def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
         if state["run"] is None:
             at = f"at the start of {run}"
         else:
-            unit = "iteration" if algorithm == "lloyd" else "step"
+            phase = state["run"].get("phase", "lloyd" if algorithm == "lloyd" else "minibatch")
+            unit = "Lloyd iteration" if phase == "lloyd" else "mini-batch step"
             at = f"at {run}, {unit} {state['run']['step']}"
         hint = (f"The last k-means checkpoint, {at}, is in {url!r}: {resume} to continue "
                 "from it.")
@@ -836,8 +1044,51 @@ def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
 # --------------------------------------------------------------------------- the fit
 
 
+def _run_phases(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
+                pos: _Position, batch_ss, reseed_ss):
+    """The mini-batch and Lloyd phases of one run: its centres, steps, stop reason and,
+    when its last Lloyd pass measured the final centres, that pass's inertia and counts.
+
+    ``saved`` is the state of a run resumed in its middle: the phase it was
+    in (mini-batch for commits that do not say) and that phase's state.
+    """
+    phase = "minibatch" if cfg.algorithm != "lloyd" else "lloyd"
+    if saved is not None:
+        phase = saved.get("phase", phase)
+    done = 0
+    if phase == "minibatch":
+        centers, done, stop = _run_minibatch(
+            backend, centers, cfg, tol_abs,
+            np.random.default_rng(batch_ss), np.random.default_rng(reseed_ss), report,
+            ckpt, saved, pos,
+        )
+        saved = None
+        if cfg.algorithm == "minibatch":
+            return centers, done, stop, None
+    elif saved is not None:
+        done = saved.get("done", 0)
+    centers, n_lloyd, stop, final = _run_lloyd(
+        backend, centers, cfg, tol_abs, report, ckpt, saved, pos,
+        refine=cfg.algorithm != "lloyd", done=done,
+    )
+    return centers, done + n_lloyd, stop, final
+
+
+def _check_distinct(backend, k: int) -> None:
+    """Refuse more clusters than P has distinct rows (some would stay empty)."""
+    direction = np.random.default_rng(0).standard_normal(backend.s)
+    found = np.unique(np.concatenate(backend.distinct(k, direction))).size
+    if found < k:
+        raise ValueError(
+            f"n_clusters={k} is larger than the number of distinct rows of P ({found}): "
+            f"pass n_clusters <= {found}."
+        )
+
+
 def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos: _Position):
     start = time.perf_counter()
+    pos.at("init")
+    _check_distinct(backend, cfg.n_clusters)
     runs = _Runs(seeds=[int(v) for v in seeds])
     saved, info = None, {}
     if ckpt is not None:
@@ -847,34 +1098,31 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
         init_ss, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
         if saved is None:
             pos.at("init")
-            centers, variance = _initial_centers(backend, cfg, np.random.default_rng(init_ss))
+            centers, variance = _initial_centers(backend, cfg, np.random.default_rng(init_ss),
+                                                 pos)
             tol_abs = cfg.tol * variance
         else:  # resumed in the middle of this run
             centers, tol_abs = saved["centers"], saved["tol_abs"]
 
-        def report(step, inertia, shift, restart=restart):
+        def report(step, inertia, shift, phase, restart=restart):
             if progress is not None:
                 progress(
                     KMeansProgress(
                         restart=restart, n_init=cfg.n_init, step=step, max_iter=cfg.max_iter,
                         inertia=float(inertia), center_shift=shift,
-                        elapsed=time.perf_counter() - start,
+                        elapsed=time.perf_counter() - start, phase=phase,
                     )
                 )
 
-        if cfg.algorithm == "lloyd":
-            centers, n_iter, stop = _run_lloyd(backend, centers, cfg, tol_abs, report,
-                                               ckpt, saved, pos)
-        else:
-            centers, n_iter, stop = _run_minibatch(
-                backend, centers, cfg, tol_abs,
-                np.random.default_rng(batch_ss), np.random.default_rng(reseed_ss), report,
-                ckpt, saved, pos,
-            )
+        centers, n_iter, stop, final = _run_phases(backend, centers, cfg, tol_abs, report,
+                                                   ckpt, saved, pos, batch_ss, reseed_ss)
         saved = None
         runs.n_steps_total += n_iter
-        pos.at("assign", n_iter)
-        labels, inertia, counts = _full_pass(backend, centers)
+        if final is None:
+            pos.at("assign", n_iter)
+            labels, inertia, counts = _full_pass(backend, centers)
+        else:  # labels of the best run only, by one pass at the end
+            labels, (inertia, counts) = None, final
         runs.inertias.append(inertia)
         logger.info(
             "k-means (%s) run %d/%d: %d steps, stop: %s, inertia %.6e",
@@ -887,7 +1135,7 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
             ckpt.save()
     best = runs.best
     labels = best.labels
-    if labels is None:  # the best run ended before a resume: its labels are one pass away
+    if labels is None:  # not kept (or the run ended before a resume): one pass away
         pos.restart = best.restart
         pos.at("labels", best.n_iter)
         labels, _, _ = _full_pass(backend, best.centers)
@@ -956,11 +1204,13 @@ def _check_config(
         if init_size < k:
             raise ValueError(f"init_size={init_size} should be >= n_clusters={k}.")
     if isinstance(init, str):
-        if init != "k-means++":
+        if init not in INITS:
+            valid = ", ".join(repr(a) for a in INITS)
             raise ValueError(
-                f"init={init!r} is not supported; pass 'k-means++' or an array of centres."
+                f"init={init!r} is not supported; choose one of {valid} or pass an array of "
+                "centres."
             )
-        centers = None
+        centers = init
     else:
         centers = _check_centers(init, k, s, "init")
         # Every run would start from the same centres: one run is all there is.
@@ -987,8 +1237,8 @@ def kmeans(
     P,
     n_clusters: int,
     *,
-    algorithm: str = "minibatch",
-    init: str | np.ndarray = "k-means++",
+    algorithm: str = "minibatch-lloyd",
+    init: str | np.ndarray = "k-means||",
     batch_size: int = 1024,
     n_init: int = 3,
     max_iter: int = 100,
@@ -1008,8 +1258,15 @@ def kmeans(
     """K-means on the rows of P, in memory or on a dask cluster.
 
     Each run starts from k-means++ on a seeded sample of ``init_size`` rows
-    (drawn by global row index; only those rows are fetched), then
+    (drawn by global row index; only those rows are fetched) or from
+    k-means|| over all of P, then
 
+    * ``algorithm="minibatch-lloyd"`` (the default): the mini-batch steps
+      below, then full-batch Lloyd iterations from where they stopped, until
+      no label changes or an iteration lowers the inertia by at most ``tol``
+      times itself.  The mini-batch phase is cheap (it reads sampled rows
+      only) and leaves few Lloyd passes to do; the Lloyd phase reaches
+      Lloyd's fixed point, which mini-batch alone stops short of.
     * ``algorithm="minibatch"`` (Sculley 2010, as scikit-learn's
       ``MiniBatchKMeans``): each step draws ``batch_size`` row indices with
       replacement, fetches those rows, assigns them to the nearest centre and
@@ -1020,9 +1277,13 @@ def kmeans(
       count stays below ``1e-3`` times the largest (or at zero) is re-seeded
       at a batch point drawn with probability proportional to the point's
       squared distance to its centre.
-    * ``algorithm="lloyd"``: full-batch Lloyd, one pass over P per iteration.
-      An empty cluster takes the point farthest from its centre (found from
-      each chunk's few farthest points); a centre is never set to zero.
+    * ``algorithm="lloyd"``: full-batch Lloyd, one pass over P per iteration,
+      from the initial centres.
+
+    In Lloyd iterations an empty cluster takes the point farthest from its
+    centre (found from each chunk's few farthest points); a centre is never
+    set to zero.  Each Lloyd iteration is one distributed pass: the chunks
+    return per-centre sums and counts, no row of P moves.
 
     The run with the lowest inertia, measured by a full pass over P, is kept,
     together with that pass's labels.  The result depends on ``random_state``
@@ -1037,11 +1298,24 @@ def kmeans(
         memory and never gathered: the driver only receives sampled rows and
         per-chunk summaries.
     n_clusters : int
-        Number of clusters ``k``, ``1 <= k <= n_samples``.
-    algorithm : {"minibatch", "lloyd"}, default="minibatch"
-    init : "k-means++" or ndarray of shape (n_clusters, n_features)
-        Initial centres.  With an array, there is a single run (``n_init`` is
-        not used); the init sample is still drawn to scale ``tol``.
+        Number of clusters ``k``, at most the number of distinct rows of P
+        (checked by a cheap pass that stops once ``k`` are found).
+    algorithm : {"minibatch-lloyd", "minibatch", "lloyd"}, default="minibatch-lloyd"
+        See above.  Cost per run: mini-batch reads ``max_iter * batch_size``
+        sampled rows at most; each Lloyd iteration is a pass over P (one
+        matrix product of ``n_samples * n_features * n_clusters``).
+    init : {"k-means||", "k-means++"} or ndarray of shape (n_clusters, n_features), \
+default="k-means||"
+        Initial centres.  ``"k-means++"``: k-means++ with local trials on the
+        init sample.  ``"k-means||"`` (Bahmani et al. 2012): 5 rounds, each
+        one pass over P, draw about ``2 * n_clusters`` candidates per round
+        from all rows with probability proportional to their squared distance
+        to the candidates so far; the candidates, weighted by the rows
+        nearest to them, are clustered on the driver by weighted k-means++.
+        It finds small clusters that a sample of P misses, at the cost of
+        6 passes over P per run.  With an array, there is a single run
+        (``n_init`` is not used); the init sample is still drawn to scale
+        ``tol``.
     batch_size : int, default=1024
         Rows per mini-batch step (at most ``n_samples``).  Also sets the
         default ``init_size``.
@@ -1049,14 +1323,17 @@ def kmeans(
         Number of runs, each from its own k-means++ initialisation.
     max_iter : int, default=100
         Largest number of mini-batch *steps* (batches, not epochs as in
-        scikit-learn's ``MiniBatchKMeans``) or Lloyd *iterations* (passes
-        over P) per run.
+        scikit-learn's ``MiniBatchKMeans``) and of Lloyd *iterations* (passes
+        over P) per run; ``"minibatch-lloyd"`` caps each phase.
     tol : float, default=1e-4
-        Stop a run when the sum of the squared movements of the centres in a
-        step is ``<= tol * v``, where ``v`` is the mean variance of the
-        features on the init sample: ``tol`` is relative, so rescaling P does
-        not change the result.  Mini-batch ignores it at 0; Lloyd with
-        ``tol=0`` stops when the centres no longer move.
+        Mini-batch steps, and ``"lloyd"``: stop when the sum of the squared
+        movements of the centres in a step is ``<= tol * v``, where ``v`` is
+        the mean variance of the features on the init sample (as
+        scikit-learn's ``KMeans``; relative, so rescaling P does not change
+        the result).  Mini-batch ignores it at 0.  The Lloyd phase of
+        ``"minibatch-lloyd"``: stop when an iteration lowers the inertia by
+        at most ``tol`` times the inertia.  Every Lloyd iteration stops the
+        run when no label changes (``tol=0``: only then).
     max_no_improvement : int or None, default=10
         Mini-batch only: stop when the exponentially weighted batch inertia
         has not improved for this many consecutive steps (None: never).
@@ -1081,7 +1358,7 @@ def kmeans(
         fingerprints P (one digest per row chunk, computed where the chunk is).
     checkpoint_every : int, optional
         Mini-batch steps or Lloyd iterations between commits within a run;
-        default 100 steps or 5 iterations.
+        default 100 steps and 5 iterations.
     resume : bool, default=False
         Continue the checkpoint at ``checkpoint`` (start it if there is none).
         A checkpoint that holds a finished fit gives its result with no step
@@ -1156,8 +1433,10 @@ def kmeans(
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint=, the location to resume from.")
     if checkpoint_every is None:
-        checkpoint_every = _CHECKPOINT_EVERY[cfg.algorithm]
-    checkpoint_every = check_positive_int(checkpoint_every, "checkpoint_every")
+        checkpoint_every = dict(_CHECKPOINT_EVERY)
+    else:
+        every = check_positive_int(checkpoint_every, "checkpoint_every")
+        checkpoint_every = {"minibatch": every, "lloyd": every}
     if not isinstance(persist, bool):
         raise TypeError(f"persist must be True or False, got {persist!r}.")
     seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max,

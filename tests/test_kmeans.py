@@ -104,7 +104,7 @@ def test_lloyd_matches_numpy_reference(max_iter):
     res = kmeans(X, 6, algorithm="lloyd", init=init, tol=0.0, max_iter=max_iter)
     assert ref_iter == max_iter or ref_iter > 3  # the comparison covers several iterations
     assert res.n_iter == ref_iter
-    assert res.stop_reason == ("max_iter" if max_iter == 2 else "tol")
+    assert res.stop_reason == ("max_iter" if max_iter == 2 else "converged")
     assert_allclose(res.cluster_centers, ref_centers, rtol=1e-12, atol=1e-12)
     assert_array_equal(res.labels, ref_labels)
     assert_allclose(res.inertia, sq_inertia(X, ref_centers, ref_labels), rtol=1e-12)
@@ -143,8 +143,8 @@ def test_max_iter_counts_steps_and_progress_reports_each():
     X = overlapping(300)
     seen: list[KMeansProgress] = []
     res = kmeans(
-        X, 3, batch_size=20, n_init=2, max_iter=7, tol=0.0, max_no_improvement=None,
-        random_state=0, progress=seen.append,
+        X, 3, algorithm="minibatch", batch_size=20, n_init=2, max_iter=7, tol=0.0,
+        max_no_improvement=None, random_state=0, progress=seen.append,
     )
     assert res.n_iter == 7 and res.n_steps_total == 14 and res.stop_reason == "max_iter"
     assert [(p.restart, p.step) for p in seen] == [(r, s) for r in range(2) for s in range(1, 8)]
@@ -176,11 +176,12 @@ def test_empty_cluster_is_reseeded(algorithm):
     assert adjusted_rand_score(y, res.labels) == 1.0
 
 
-def test_too_few_distinct_rows_warns():
+def test_more_clusters_than_distinct_rows_is_refused():
     X = np.repeat(np.array([[0.0, 0.0], [1.0, 1.0]]), 10, axis=0)
-    with pytest.warns(RuntimeWarning, match="only 2 of n_clusters=3 clusters have points"):
-        res = kmeans(X, 3, algorithm="lloyd", n_init=1, random_state=0)
-    assert np.isfinite(res.cluster_centers).all()
+    with pytest.raises(ValueError, match=r"n_clusters=3 is larger than the number of "
+                       r"distinct rows of P \(2\): pass n_clusters <= 2\."):
+        kmeans(X, 3, algorithm="lloyd", n_init=1, random_state=0)
+    res = kmeans(X, 2, n_init=1, random_state=0)
     assert res.inertia == 0.0
 
 
@@ -201,7 +202,8 @@ X5 = np.arange(10.0).reshape(5, 2)
         (
             dict(algorithm="elkan"),
             ValueError,
-            r"algorithm='elkan' is not supported; choose one of 'lloyd', 'minibatch'\.",
+            r"algorithm='elkan' is not supported; choose one of 'minibatch-lloyd', "
+            r"'minibatch', 'lloyd'\.",
         ),
         (dict(max_no_improvement=0), ValueError, r"max_no_improvement must be >= 1, got 0\."),
         (dict(init_size=1), ValueError, r"init_size=1 should be >= n_clusters=2\."),

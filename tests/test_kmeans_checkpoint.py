@@ -16,8 +16,12 @@ from dkicf.errors import CheckpointMismatchError
 from dkicf.kmeans import kmeans
 
 CHUNK = 150
-MINIBATCH = {"algorithm": "minibatch", "batch_size": 32, "max_no_improvement": 8, "tol": 0.0}
-LLOYD = {"algorithm": "lloyd", "tol": 1e-6}
+MINIBATCH = {"algorithm": "minibatch", "batch_size": 32, "max_no_improvement": 8, "tol": 0.0,
+             "init": "k-means++"}
+LLOYD = {"algorithm": "lloyd", "tol": 1e-6, "init": "k-means++"}
+# The default: k-means|| then mini-batch steps then Lloyd iterations.
+HYBRID = {"algorithm": "minibatch-lloyd", "batch_size": 32, "max_no_improvement": 4,
+          "tol": 1e-9}
 # Mini-batch runs stop on no improvement after 14, 10 and 25 steps; Lloyd runs on tol
 # after 6 and 28 iterations, or at max_iter.  Commits every 4 steps and after each run.
 CASES = {
@@ -25,6 +29,8 @@ CASES = {
     ("numpy", "lloyd"): dict(LLOYD, n_init=3, max_iter=30),
     ("dask", "minibatch"): dict(MINIBATCH, n_init=2, max_iter=24),
     ("dask", "lloyd"): dict(LLOYD, n_init=2, max_iter=10),
+    ("numpy", "minibatch-lloyd"): dict(HYBRID, n_init=2, max_iter=30),
+    ("dask", "minibatch-lloyd"): dict(HYBRID, n_init=2, max_iter=30),
 }
 COMMON = {"random_state": 0, "checkpoint_every": 4}
 
@@ -72,7 +78,7 @@ def references(client, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["minibatch", "lloyd"])
+@pytest.mark.parametrize("algorithm", ["minibatch", "lloyd", "minibatch-lloyd"])
 def test_checkpoints_do_not_change_the_fit(references, algorithm):
     ref, _, _ = references["numpy", algorithm]
     assert ref.info["resumed_from"] is None and not ref.info["already_finished"]
@@ -181,6 +187,24 @@ def test_every_commit_of_a_minibatch_fit_resumes_exactly(tmp_path, references, p
         url = str(tmp_path / f"km{at}")
         crash_in_process(url, "numpy", "minibatch", None, phase, -1, at, monkeypatch)
         assert_same_result(fit("numpy", "minibatch", checkpoint=url, resume=True), ref)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "dask"])
+def test_every_commit_of_the_default_fit_resumes_exactly(client, tmp_path, references, kind,
+                                                         monkeypatch):
+    """Commits in the mini-batch phase and in the Lloyd phase resume bit-identically."""
+    import zarr
+
+    ref, commits, _ = references[kind, "minibatch-lloyd"]
+    phases = set()
+    for at in commits:
+        url = str(tmp_path / f"km{at}")
+        crash_in_process(url, kind, "minibatch-lloyd", client, "commit", -1, at, monkeypatch)
+        run = zarr.open_group(url).attrs["dkicf"]["commit"]["state"]["run"]
+        phases.add(None if run is None else run["phase"])
+        assert_same_result(fit(kind, "minibatch-lloyd", client, checkpoint=url, resume=True),
+                           ref)
+    assert {"minibatch", "lloyd"} <= phases
 
 
 def test_a_fit_without_seed_resumes_with_the_seeds_it_saved(tmp_path, monkeypatch):
