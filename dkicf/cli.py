@@ -269,16 +269,23 @@ def build_parser() -> argparse.ArgumentParser:
                    default="block-greedy",
                    help="pivot rule of the factorization (default: block-greedy, the paper's "
                         "greedy pivots several per pass over X)")
-    p.add_argument("--algorithm", choices=["minibatch", "lloyd"], default="minibatch",
-                   help="k-means on the rows of P: mini-batch or full-batch Lloyd "
-                        "(default: minibatch)")
+    # The k-means names only: dkicf.kmeans imports numpy and scipy, but no cluster code.
+    from .kmeans import ALGORITHMS, INITS
+
+    p.add_argument("--algorithm", choices=list(ALGORITHMS), default="minibatch-lloyd",
+                   help="k-means on the rows of P: mini-batch steps then Lloyd iterations "
+                        "to Lloyd's fixed point, mini-batch alone, or Lloyd alone "
+                        "(default: minibatch-lloyd)")
+    p.add_argument("--init", choices=list(INITS), default="k-means||",
+                   help="initial centres: k-means|| over all of P, or k-means++ on a sample "
+                        "(default: k-means||)")
     p.add_argument("--batch-size", type=_positive_int, default=1024,
                    help="rows per mini-batch step (default: 1024)")
-    p.add_argument("--n-init", type=_positive_int, default=3,
-                   help="k-means restarts; the lowest inertia wins (default: 3; more for "
-                        "clusters that one start can mix up)")
+    p.add_argument("--n-init", type=_positive_int, default=5,
+                   help="k-means restarts; the lowest inertia wins (default: 5)")
     p.add_argument("--max-iter", type=_positive_int, default=100,
-                   help="mini-batch steps, or Lloyd iterations, per restart (default: 100)")
+                   help="mini-batch steps and Lloyd iterations (each) per restart "
+                        "(default: 100)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     p.add_argument("--checkpoint", metavar="URL",
                    help="Zarr group to checkpoint the factorization and k-means in (resumable)")
@@ -365,18 +372,36 @@ class _Progress:
             self.bar.set_postfix(trace_error=f"{info.trace_error:.3e}", passes=info.n_passes,
                                  refresh=False)
         else:
-            total = getattr(info, "max_iter", None)
-            if self.kind != "kmeans":
-                self.close()
-                self.bar = tqdm(total=total, desc="k-means", unit="step", file=sys.stderr,
-                                dynamic_ncols=True)
-                self.kind = "kmeans"
-            step = getattr(info, "step", None)
-            if step is not None and total:
-                self.bar.update(max(0, min(step, total) - self.bar.n))
-            inertia = getattr(info, "inertia", None)
-            if inertia is not None:
-                self.bar.set_postfix(inertia=f"{inertia:.4g}", refresh=False)
+            self._kmeans(info, tqdm)
+
+    def _kmeans(self, info, tqdm) -> None:
+        """One bar over the restarts: each run's share moves with its steps and passes.
+
+        A run is at most ``max_iter`` mini-batch steps then at most ``max_iter``
+        Lloyd passes; most stop earlier, and the bar jumps to the next run.
+        """
+        if self.kind != "kmeans":
+            self.close()
+            self.bar = tqdm(total=info.n_init, file=sys.stderr, dynamic_ncols=True,
+                            bar_format="k-means: {percentage:3.0f}%|{bar}| {desc} [{elapsed}]")
+            self.kind = "kmeans"
+        share = min(info.step, info.max_iter) / info.max_iter
+        lloyd = info.phase == "lloyd"
+        self.bar.n = info.restart + (0.5 + 0.5 * share if lloyd else 0.5 * share)
+        where = f"Lloyd pass {info.step}" if lloyd else f"mini-batch step {info.step}"
+        self.bar.set_description_str(
+            f"run {info.restart + 1}/{info.n_init}, {where}, inertia {info.inertia:.4g}",
+            refresh=False,
+        )
+        self.bar.refresh()
+
+    def finish(self) -> None:
+        """Close the bars of a completed fit: the k-means bar ends at 100%."""
+        if self.kind == "kmeans":
+            self.bar.n = self.bar.total
+            self.bar.set_description_str(f"{self.bar.total} runs done", refresh=False)
+            self.bar.refresh()
+        self.close()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -528,7 +553,7 @@ def _cmd_fit(args) -> int:
     params = dict(
         n_clusters=args.clusters, kernel=args.kernel, gamma=args.gamma, degree=args.degree,
         coef0=args.coef0, rank=args.rank, tol=args.tol, pivoting=args.pivoting,
-        algorithm=args.algorithm,
+        algorithm=args.algorithm, init=args.init,
         batch_size=args.batch_size, n_init=args.n_init, max_iter=args.max_iter,
         random_state=args.seed,
     )
@@ -548,6 +573,7 @@ def _cmd_fit(args) -> int:
                 save_p=args.save_p,
                 resume=args.resume,
             )
+            progress.finish()
         finally:
             progress.close()  # an error is printed on a line of its own, not after the bar
     _print_report(report)
@@ -616,14 +642,13 @@ def _cmd_demo(args) -> int:
         io.generate("ring", str(data), args.n, random_state=0, overwrite=True)
     t_gen = time.perf_counter() - t0
     progress = _Progress(args.quiet)
-    # Ten mini-batch restarts of 4096 rows: one restart sometimes settles in
-    # a local minimum that mixes the rings (lower inertia wins).
+    # The default k-means settings: they find the rings' partition.
     params = dict(n_clusters=2, kernel="gaussian", gamma=16.0, rank=args.rank, tol=1e-3,
-                  algorithm="minibatch", n_init=10, batch_size=4096, random_state=0)
+                  random_state=0)
     with _cluster(args) as client:
         report = fit_store(str(data), str(model), params, client=client, overwrite=True,
                            progress=progress)
-    progress.close()
+    progress.finish()
     paths = plot_model(str(model), str(work), data=str(data))
     report = {"points": args.n, "generate_s": t_gen, **report}
     _print_report(report)

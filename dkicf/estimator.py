@@ -13,11 +13,10 @@ from ._chunk import check_finite
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from .icf import ICFResult, _transform_block, incomplete_cholesky
 from .kernels import Kernel, make_kernel
-from .kmeans import assign, kmeans
+from .kmeans import ALGORITHMS, INITS, assign, kmeans
 
 __all__ = ["KernelKMeans", "load"]
 
-_ALGORITHMS = ("minibatch", "lloyd")
 _MODEL_FORMAT = "dkicf-model"
 _MODEL_VERSION = 1
 _MODEL_ARRAYS = ("cluster_centers", "pivots", "pivot_rows", "cholesky_factor", "trace_errors")
@@ -59,16 +58,25 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         blocks (the same pivots in far fewer passes over X), the paper's
         sequential loop itself, or randomly pivoted Cholesky (see
         :func:`dkicf.incomplete_cholesky`).
-    algorithm : {"minibatch", "lloyd"}, default="minibatch"
-        Mini-batch k-means (Sculley 2010) or full-batch Lloyd on the rows of P.
+    algorithm : {"minibatch-lloyd", "minibatch", "lloyd"}, default="minibatch-lloyd"
+        k-means on the rows of P: mini-batch steps (Sculley 2010) then
+        full-batch Lloyd iterations to Lloyd's fixed point (the default),
+        mini-batch alone (fastest, stops short of the optimum), or Lloyd alone
+        (see :func:`dkicf.kmeans.kmeans`).
+    init : {"k-means||", "k-means++"}, default="k-means||"
+        Initial centres: k-means|| over all rows of P (6 passes over P per
+        restart; finds small clusters), or k-means++ on a sample of rows.
     batch_size : int, default=1024
         Rows per mini-batch step.
-    n_init : int, default=3
+    n_init : int, default=5
         k-means restarts; the one with the lowest inertia (full pass) is kept.
     max_iter : int, default=100
-        Mini-batch steps, or Lloyd iterations, per restart.
+        Mini-batch steps and Lloyd iterations (each phase) per restart.
     kmeans_tol : float, default=1e-4
-        Relative tolerance on the centres' movement (see :func:`dkicf.kmeans.kmeans`).
+        k-means tolerance: on the centres' movement, relative to the
+        features' variance, and, in the Lloyd phase of ``"minibatch-lloyd"``,
+        on the relative decrease of the inertia per iteration (see
+        :func:`dkicf.kmeans.kmeans`).
     persist : bool, default=True
         Dask input only: hold X's chunks in worker memory, or re-read them on
         every pass (data larger than the cluster's memory).
@@ -127,9 +135,10 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         rank: int = 100,
         tol: float = 1e-3,
         pivoting: str = "block-greedy",
-        algorithm: str = "minibatch",
+        algorithm: str = "minibatch-lloyd",
+        init: str = "k-means||",
         batch_size: int = 1024,
-        n_init: int = 3,
+        n_init: int = 5,
         max_iter: int = 100,
         kmeans_tol: float = 1e-4,
         persist: bool = True,
@@ -144,6 +153,7 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.tol = tol
         self.pivoting = pivoting
         self.algorithm = algorithm
+        self.init = init
         self.batch_size = batch_size
         self.n_init = n_init
         self.max_iter = max_iter
@@ -167,10 +177,14 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
-        if self.algorithm not in _ALGORITHMS:
+        if self.algorithm not in ALGORITHMS:
             raise ValueError(
-                f"algorithm must be one of {', '.join(map(repr, _ALGORITHMS))}, "
+                f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
                 f"got {self.algorithm!r}."
+            )
+        if not isinstance(self.init, str) or self.init not in INITS:
+            raise ValueError(
+                f"init must be one of {', '.join(map(repr, INITS))}, got {self.init!r}."
             )
         if isinstance(self.kernel, str):
             make_kernel(self.kernel, gamma=self._gamma_for_check(), degree=self.degree,
@@ -245,6 +259,7 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             icf.P,
             self.n_clusters,
             algorithm=self.algorithm,
+            init=self.init,
             batch_size=self.batch_size,
             n_init=self.n_init,
             max_iter=self.max_iter,

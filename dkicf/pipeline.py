@@ -480,7 +480,8 @@ def fit_store(
         t_icf = time.perf_counter() - t0
         t0 = time.perf_counter()
         km = kmeans(
-            icf.P, model.n_clusters, algorithm=model.algorithm, batch_size=model.batch_size,
+            icf.P, model.n_clusters, algorithm=model.algorithm, init=model.init,
+            batch_size=model.batch_size,
             n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
             random_state=km_seed, client=client, progress=progress,
             # A P kept in Zarr is larger than the cluster's memory: read, not held.

@@ -1,6 +1,7 @@
 """KernelKMeans: the estimator contract, the paper's synthetic experiment, bad input."""
 
 import pickle
+import re
 
 import dask.array as da
 import numpy as np
@@ -138,7 +139,10 @@ def test_save_and_load_predict_identically(tmp_path, rng):
         ({"gamma": -1.0}, "gamma must be a positive finite number or 'median', got -1.0"),
         ({"gamma": 0.0}, "gamma must be a positive"),
         ({"kernel": "sigmoid"}, "Unknown kernel 'sigmoid'. Valid kernels are"),
-        ({"algorithm": "elkan"}, "algorithm must be one of 'minibatch', 'lloyd', got 'elkan'"),
+        ({"algorithm": "elkan"},
+         "algorithm must be one of 'minibatch-lloyd', 'minibatch', 'lloyd', got 'elkan'"),
+        ({"init": "random"}, re.escape("init must be one of 'k-means++', 'k-means||', "
+                                      "got 'random'")),
     ],
 )
 def test_bad_parameters_name_the_parameter(params, match, rng):

@@ -1,0 +1,38 @@
+"""The CLI's k-means progress bar: it counts runs and phases, and a finished fit ends at 100%."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from dkicf.cli import _Progress
+from dkicf.kmeans import kmeans
+
+
+def bar_lines(err: str) -> list[str]:
+    return [line.strip() for line in re.split(r"[\r\n]", err) if line.strip()]
+
+
+def test_kmeans_bar_counts_runs_and_ends_at_100_percent(capsys):
+    rng = np.random.default_rng(0)
+    P = np.concatenate([rng.normal(c, 0.3, size=(200, 2)) for c in (0.0, 4.0, 8.0)])
+    progress = _Progress(quiet=False)
+    res = kmeans(P, 3, n_init=4, batch_size=32, random_state=0, progress=progress)
+    before = bar_lines(capsys.readouterr().err)
+    progress.finish()
+    after = bar_lines(capsys.readouterr().err)
+    # Runs stop early (here on convergence): the bar has not reached 100% by itself.
+    assert res.stop_reason == "converged"
+    assert not any(line.startswith("k-means: 100%") for line in before)
+    assert any("run 4/4, Lloyd pass" in line for line in before)
+    assert any("run 1/4, mini-batch step" in line for line in before)
+    assert after[-1].startswith("k-means: 100%") and "4 runs done" in after[-1]
+    assert not re.search(r"\d[GMk]row/s", " ".join(before + after))
+
+
+def test_quiet_progress_prints_nothing(capsys):
+    progress = _Progress(quiet=True)
+    kmeans(np.arange(20.0).reshape(10, 2), 2, random_state=0, progress=progress)
+    progress.finish()
+    assert capsys.readouterr().err == ""
