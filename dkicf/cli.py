@@ -415,12 +415,16 @@ def _rows_bar(desc: str):
     from tqdm.auto import tqdm
 
     state = {}
+    started = time.time()
 
     def update(done, total=None):
         bar = state.get("bar")
         if bar is None:
             bar = state["bar"] = tqdm(total=total, desc=desc, unit="row", unit_scale=True,
                                       file=sys.stderr, dynamic_ncols=True)
+            # The first call reports rows already done: time them from the start,
+            # not from this call (which made rates such as "717Mrow/s").
+            bar.start_t = bar.last_print_t = started
         bar.update(done - bar.n)
         if total is not None and done >= total:
             bar.close()

@@ -36,3 +36,18 @@ def test_quiet_progress_prints_nothing(capsys):
     kmeans(np.arange(20.0).reshape(10, 2), 2, random_state=0, progress=progress)
     progress.finish()
     assert capsys.readouterr().err == ""
+
+
+def test_rows_bar_rate_counts_from_its_creation(capsys):
+    import time
+
+    from dkicf.cli import _rows_bar
+
+    update = _rows_bar("write")
+    time.sleep(0.25)
+    update(1000, 1000)  # all rows reported at once, 0.25 s after the bar was made
+    line = bar_lines(capsys.readouterr().err)[-1]
+    rate = re.search(r"([\d.]+)([kMG]?)row/s", line)
+    assert rate is not None, line
+    value = float(rate.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[rate.group(2)]
+    assert value <= 4000.0, line
