@@ -17,7 +17,8 @@ Inputs: P of PenDigits (s = 50, gamma 2^-16 on the raw features) and of MNIST
 absent), and P of 10 Gaussian blobs in 16-D (gamma 0.02, s = 150, ``--n`` rows,
 default 2e6).  Every method runs on the same P, one after the other.
 
-Run: python benchmarks/bench_kmeans.py [--n 2000000] [--skip-dask] [--only synthetic]
+Run: python benchmarks/bench_kmeans.py [--n 2000000] [--skip-dask] [--quick]
+     [--only pendigits mnist synthetic]
 """
 
 from __future__ import annotations
@@ -90,9 +91,12 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", default=["pendigits", "mnist", "synthetic"],
                         choices=["pendigits", "mnist", "synthetic"])
     parser.add_argument("--skip-dask", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="the default and the former default only (no other options)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", RuntimeWarning)
+    warnings.filterwarnings("ignore", message="Sending large graph")
 
     import dask.array as da
     from sklearn.cluster import KMeans, MiniBatchKMeans
@@ -111,6 +115,8 @@ def main(argv=None) -> None:
          {"algorithm": "minibatch", "init": "k-means++", "n_init": 3}),
         ("lloyd, k-means||, 5", {"algorithm": "lloyd"}),
     ]
+    if args.quick:
+        options = [options[0], options[4]]
     try:
         for name, P, t_icf, k in _inputs(args.only, int(args.n)):
             print(f"\n## {name}: P {P.shape[0]} x {P.shape[1]}, k = {k}; "
