@@ -455,10 +455,12 @@ def assert_same_kmeans(res, ref):
 @pytest.mark.parametrize(
     "algorithm, task, where, iteration, committed",
     [
-        ("lloyd", "_chunk_lloyd", "Lloyd iteration 7", 7, "iteration 4"),
+        ("lloyd", "_chunk_lloyd", "Lloyd iteration 7", 7, "Lloyd iteration 4"),
         # Rows of 4 steps per fetch: armed at step 6, the fetch at step 9 kills.
         ("minibatch", "_chunk_take", r"mini-batch step 9 \(fetching the rows of steps 9-12\)",
-         9, "step 8"),
+         9, "mini-batch step 8"),
+        # The default: armed at mini-batch step 6, the first Lloyd pass (after step 12) kills.
+        ("minibatch-lloyd", "_chunk_lloyd", "Lloyd iteration 1", 1, "mini-batch step 8"),
     ],
 )
 def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resumes(
@@ -493,7 +495,7 @@ def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resume
     err = info.value
     assert (err.stage, err.iteration, err.checkpoint) == ("k-means", iteration, url)
     res = km.kmeans(P, 3, checkpoint=url, resume=True, **kw)
-    assert res.info["resumed_from"] == {"restart": 1, "step": int(committed.split()[1])}
+    assert res.info["resumed_from"] == {"restart": 1, "step": int(committed.split()[-1])}
     assert_same_kmeans(res, km.kmeans(P, 3, checkpoint=str(tmp_path / "ref"), **kw))
 
 
