@@ -197,28 +197,49 @@ def _all_busy(per_worker: dict, lo: float, hi: float, n_workers: int) -> float:
     return busy
 
 
+def _incoming_log(dask_worker=None) -> list:
+    """On a worker: its log of data fetched from other workers (start, stop, keys and bytes)."""
+    return [{"start": e["start"], "stop": e["stop"],
+             "keys": {str(k): int(v) for k, v in e["keys"].items()}}
+            for e in dask_worker.transfer_incoming_log]
+
+
 def breakdown(tasks: list[dict], driver: list, n_workers: int, t_start: float,
-              t_end: float) -> dict:
-    """Per-pass split of the factorization's wall time (see the module docstring)."""
+              t_end: float, incoming: list, x_name: str) -> dict:
+    """Per-pass split of the factorization's wall time (see the module docstring).
+
+    ``incoming``: the workers' transfer logs (:func:`_incoming_log`), of
+    which the entries of the factorization are kept; ``x_name``: the name
+    of X's chunks.
+    """
     computes: dict[int, list] = {}
     transfers = {"X": [0, 0.0], "state": [0, 0.0], "other": [0, 0.0]}
     transfer_time = []
+    for entry in incoming:
+        if entry["start"] < t_start or entry["start"] > t_end:
+            continue
+        transfer_time.append((entry["start"], entry["stop"]))
+        for key, nbytes in entry["keys"].items():
+            info = _parse_key(key)
+            kind = "other"
+            if x_name in key or (info is not None and info["name"] == "x"):
+                kind = "X"
+            elif info is not None and info["name"] in ("update", "init", "rebase",
+                                                        "restore", "reload"):
+                kind = "state"
+            transfers[kind][0] += 1
+            transfers[kind][1] += nbytes
+    setup_work = 0.0
     for rec in tasks:
         info = _parse_key(rec.get("key"))
         for ss in rec.get("startstops", ()):
-            if ss["action"] == "transfer":
-                kind = "other"
-                if info is not None and info["name"] == "x":
-                    kind = "X"
-                elif info is not None and info["name"] in ("update", "init", "rebase",
-                                                            "restore", "reload"):
-                    kind = "state"
-                transfers[kind][0] += 1
-                transfers[kind][1] += float(rec.get("nbytes") or 0)
-                transfer_time.append((ss["start"], ss["stop"]))
-            elif ss["action"] == "compute" and info is not None and info["name"] == "update":
+            if ss["action"] != "compute" or info is None:
+                continue
+            if info["name"] == "update":
                 computes.setdefault(int(info["step"]), []).append(
                     (rec["worker"], ss["start"], ss["stop"]))
+            elif info["name"] in ("x", "init"):
+                setup_work += ss["stop"] - ss["start"]
     applies = sorted((a, b) for label, a, b in driver if label == "apply")
     passes = []
     for k, (a0, a1) in enumerate(applies):
@@ -253,7 +274,8 @@ def breakdown(tasks: list[dict], driver: list, n_workers: int, t_start: float,
         })
     setup = (applies[0][0] - t_start) if applies else t_end - t_start
     end = (t_end - applies[-1][1]) if applies else 0.0
-    return {"passes": passes, "setup": setup, "end": end, "transfers": transfers}
+    return {"passes": passes, "setup": setup, "end": end, "transfers": transfers,
+            "setup_work": setup_work}
 
 
 def print_breakdown(bd: dict, label: str) -> dict:
@@ -276,13 +298,15 @@ def print_breakdown(bd: dict, label: str) -> dict:
         f"send {tot['send']:.3f}, collect {tot['collect']:.3f}, select {tot['select']:.3f}, "
         f"rows {tot['rows']:.3f}, other {tot['other']:.3f}), (d) transfers "
         f"{tot['transfer']:.3f}")
-    say(f"  set-up before the first pass {bd['setup']:.3f} s, after the last {bd['end']:.3f} s; "
+    say(f"  set-up before the first pass {bd['setup']:.3f} s (worker-seconds of copying X and "
+        f"the kernel diagonal {bd['setup_work']:.3f}), after the last {bd['end']:.3f} s; "
         f"worker-seconds of update tasks {tot['work']:.3f}")
     tr = bd["transfers"]
     say("  transfers between workers during the factorization: "
         + ", ".join(f"{k} {c} ({b / 2**20:.1f} MiB)" for k, (c, b) in tr.items()))
     return {**tot, "driver": driver, "n_passes": len(ps), "setup": bd["setup"],
-            "end": bd["end"], "moved": tr["X"][0] + tr["state"][0]}
+            "setup_work": bd["setup_work"], "end": bd["end"],
+            "moved": tr["X"][0] + tr["state"][0]}
 
 
 # ------------------------------------------------------------------ runs
@@ -324,7 +348,9 @@ def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_wo
             t_end = time.time()
         out = {"icf": t_icf, "pivots": res.pivots, "passes": res.n_passes}
         if want_breakdown:
-            out["breakdown"] = breakdown(ts.data, clock.events, W, t_start, t_end)
+            incoming = [e for log in client.run(_incoming_log).values() for e in log]
+            out["breakdown"] = breakdown(ts.data, clock.events, W, t_start, t_end, incoming,
+                                         X.name)
         if with_kmeans:
             t0 = time.perf_counter()
             km = kmeans(res.P, k, random_state=0, client=client)
@@ -400,12 +426,16 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
     if totals:
         W0 = workers[0]
         t = totals[W0]
-        serial = t["setup"] + t["end"] + t["driver"] + t["transfer"]
-        for target in (16, cores()):
-            pred = serial + t["work"] * W0 / target / max(W0, 1)
-            say(f"  from the W = {W0} breakdown: T({target}) ~ serial {serial:.2f} s + "
-                f"worker-seconds {t['work']:.2f} x {W0} / {target} = {pred:.2f} s "
-                f"(ICF at W = {W0}: {rows[f'W={W0}']['icf']:.2f} s, x{rows[f'W={W0}']['icf'] / pred:.1f})")
+        # The set-up's tasks divide between the workers; what remains of it does not.
+        work = t["work"] + t["setup_work"]
+        serial = t["setup"] - t["setup_work"] / W0 + t["end"] + t["driver"] + t["transfer"]
+        measured = rows[f"W={W0}"]["icf"]
+        for target in sorted({16, cores()}):
+            pred = serial + work / target
+            say(f"  from the W = {W0} breakdown: T({target}) ~ serial {serial:.2f} s "
+                f"(driver, transfers, set-up and end less their tasks) + worker-seconds "
+                f"{work:.2f} / {target} = {pred:.2f} s, a speed-up of {measured / pred:.1f} "
+                f"over the {measured:.2f} s measured at W = {W0}")
     return {"rows": rows, "totals": totals}
 
 
@@ -430,6 +460,41 @@ def targets(s: int, d: int, gamma: float, chunks_per_worker: int) -> None:
         f"(target within 1.2x)")
 
 
+def prefault(gib: float) -> None:
+    """Touch ``gib`` GiB of fresh memory once and free it.
+
+    On a virtual machine the first touch of memory the guest has never
+    used costs a fault in the hypervisor (here up to seconds per GiB),
+    which would be charged to whichever run comes first; after this, every
+    run allocates memory the guest already has.
+    """
+    if gib <= 0:
+        return
+    t0 = time.perf_counter()
+    step = 1 << 28
+    bufs = []
+    for _ in range(int(gib * 2**30) // step):
+        b = np.empty(step // 8)
+        b[:] = 0.0
+        bufs.append(b)
+    del bufs
+    say(f"  pre-faulted {gib:.1f} GiB of memory in {time.perf_counter() - t0:.1f} s")
+
+
+def _version() -> str:
+    import subprocess
+
+    import dkicf
+
+    here = os.path.dirname(os.path.abspath(dkicf.__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "log", "-1", "--format=%h %s"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return f"dkicf from {here} {rev[:70]}"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=float, nargs="+", default=[1e6], help="rows (several allowed)")
@@ -446,9 +511,19 @@ def main(argv=None) -> None:
     p.add_argument("--targets", action="store_true", help="the issue's 2-core targets")
     p.add_argument("--quick", action="store_true",
                    help="n = 2e6 with W = 1, 2, 4, 8, 16, then n = 8e6 with the largest W")
+    p.add_argument("--prefault-gb", type=float, default=None,
+                   help="GiB of memory to touch once first (default: about the largest "
+                        "run's P and X, at most half the memory)")
     args = p.parse_args(argv)
     C = cores()
-    say(f"bench_scaling: {C} cores, python {sys.version.split()[0]}")
+    say(f"bench_scaling: {C} cores, python {sys.version.split()[0]}, {_version()}")
+    if args.prefault_gb is None:
+        import psutil
+
+        largest = 8e6 if args.quick else (4e6 if args.targets else max(args.n))
+        need = 1.5 * 8 * largest * (args.s + args.d) / 2**30
+        args.prefault_gb = min(need, 0.5 * psutil.virtual_memory().available / 2**30)
+    prefault(args.prefault_gb)
     default_w = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= C]
     try:
         if args.targets:
