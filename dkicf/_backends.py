@@ -538,8 +538,8 @@ class DaskBackend:
         ``map_chunks(chunk_block_stats, lo, hi, request)`` costs no round trip.
         """
         self._prefetched = None
-        if prefetch is not None and (prefetch[2].count + 1) * len(self.states) > _PREFETCH_ENTRIES:
-            prefetch = None
+        if prefetch is not None:
+            prefetch = self._prefetch_request(*prefetch)
         arg = block
         if _block_nbytes(block) * len(self.states) > _INLINE_BLOCK_BYTES:
             # Large blocks become one task shared by every chunk: sent to the
@@ -570,6 +570,26 @@ class DaskBackend:
         if self.step - self._last_rebase >= self.rebase_every:
             self._rebase(history)
         return summary
+
+    def _prefetch_request(self, lo: int, hi: int, request) -> tuple | None:
+        """What the update tasks send of the next candidate request (None: nothing).
+
+        For the largest residuals, each chunk sends about twice its share
+        of them (:func:`_top_share`): the sum over the chunks stays small
+        however many there are, and the driver asks again in full only
+        when a chunk held more of them than it sent (see
+        :func:`~dkicf.pivoting.gather_candidates`).
+        """
+        from dataclasses import replace
+
+        count = len(self.states)
+        if request.rule == "top" and request.count:
+            share = _top_share(request.count + 1, max(self.chunks), self.n)
+            request = replace(request, limit=share)
+            entries = share * count
+        else:
+            entries = (request.count + 1) * count
+        return None if entries > _PREFETCH_ENTRIES else (lo, hi, request)
 
     def _rebase(self, history: _chunk.History) -> None:
         """Cut the lineage: new state futures whose spec rebuilds from X and the history.
@@ -971,6 +991,12 @@ async def _drop_topic(topic: str, dask_scheduler=None, wait: float = 2.0) -> boo
     if found is not None:
         found.truncate()
     return found is not None
+
+
+def _top_share(count: int, rows: int, n: int) -> int:
+    """Largest residuals a chunk of ``rows`` of ``n`` sends of the ``count`` largest overall:
+    twice its share, and at least 64 more."""
+    return int(min(count, math.ceil(2 * count * rows / max(n, 1)) + 64))
 
 
 def _stash_share(count: int, rows: int, n: int) -> int:

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy.linalg import solve_triangular
+from scipy.linalg.blas import dtrsm as _dtrsm
 from threadpoolctl import ThreadpoolController
 
 from .kernels import Kernel
@@ -402,15 +402,14 @@ def _init_ranges(x, kernel: Kernel, offset: int, capacity: int, chunk, checked: 
 
     The checks, the kernel's auxiliary values and diagonal are row by row,
     so they are the same values as in one call; P's buffer is touched for
-    the first time by the ranges too (a share of its bytes each), instead
-    of one thread faulting in all of it.
+    the first time by the ranges too (their rows of it), instead of one
+    thread faulting in all of it.
     """
     x = as_float(x)
     n = x.shape[0]
     aux = None if kernel.prepare(x[:1]) is None else np.empty(n, dtype=_FLOAT)
     e = np.empty(n, dtype=_FLOAT)
     P = empty_columns(n, capacity, populate=False)
-    flat = P.T.reshape(-1)  # a view: P is Fortran-ordered
 
     # No BLAS limit here: the caller's threads run with one BLAS thread each.
     def part(lo: int, hi: int):
@@ -424,8 +423,9 @@ def _init_ranges(x, kernel: Kernel, offset: int, capacity: int, chunk, checked: 
         es = e[lo:hi]
         es[...] = kernel.diag(xs, a)
         bad = np.flatnonzero(~(es >= 0) | ~np.isfinite(es))
-        # The first touch of this range's share of P's bytes.
-        flat[flat.shape[0] * lo // n : flat.shape[0] * hi // n] = 0.0
+        # The first touch of this range's rows of P: the thread that will
+        # update them places their pages (on its memory node, if several).
+        P[lo:hi] = 0.0
         return int(bad[0]) + lo if bad.size else None
 
     found = [b for b in run(part) if b is not None]
@@ -706,6 +706,7 @@ def update_rows(
         # is then formed, corrected, solved and squared before it leaves it.
         step = max(_MIN_SLICE, _SLICE_BYTES // (8 * b))
         sq = np.empty(hi - lo)
+        Lf = np.asfortranarray(block.L)
         for a in range(lo, hi, step):
             z = min(a + step, hi)
             G = block.kernel._block_into(
@@ -716,9 +717,11 @@ def update_rows(
                 G -= base[a:z]
             if i:
                 G -= np.dot(P[a:z, :i], block.U.T, out=_scratch(1, z - a, b))
-            # G.T is Fortran-ordered: LAPACK solves it in place.
-            G = solve_triangular(block.L, G.T, lower=True, check_finite=False,
-                                 overwrite_b=True).T
+            # G.T is Fortran-ordered: BLAS solves it in place.  The triangular
+            # solve that scipy.linalg wraps (LAPACK's trtrs calls this dtrsm),
+            # without its checks, which hold the GIL for tens of microseconds
+            # per slice: the numpy backend's threads queued on them.
+            G = _dtrsm(1.0, Lf, G.T, lower=1, overwrite_b=1).T
             P[a:z, i : i + b] = G
             np.einsum("ij,ij->i", G, G, out=sq[a - lo : z - lo])
     ep = e[lo:hi]

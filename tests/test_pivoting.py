@@ -395,3 +395,50 @@ def test_candidates_grow_with_the_blocks_but_not_for_a_smaller_last_block():
     assert sizer.count(281) == 3750
     sizer.update(281, 3750, 300, "bound")  # the 19 left fit in a block like this one
     assert sizer.count(481) == 3750
+
+
+class _RangesBackend:
+    """Chunks as row ranges of one state; the first map sends each chunk's largest
+    residuals cut at ``limit`` (as dask update tasks do), later maps in full."""
+
+    def __init__(self, state, bounds, limit):
+        from dataclasses import replace
+
+        self.state, self.bounds, self.limit, self.maps = state, bounds, limit, []
+        self._replace = replace
+
+    def map_chunks(self, func, lo, hi, request):
+        from dkicf._chunk import RowRange
+
+        if not self.maps:
+            request = self._replace(request, limit=self.limit)
+        self.maps.append(request.limit)
+        return [func(None, RowRange(self.state, a, b), a, lo, hi, request)
+                for a, b in self.bounds]
+
+    def rows(self, index):
+        st = self.state
+        return st.P[index, :0], None, st.P[index, :st.rank], st.e[index].copy()
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_candidates_cut_per_chunk_are_asked_again_only_when_needed(spread, rng):
+    """Chunks that send twice their share of the largest residuals give the full request's
+    candidates; when one chunk holds more of them than it sent, the map is made again."""
+    from types import SimpleNamespace
+
+    from dkicf.pivoting import gather_candidates
+
+    n, count = 4000, 300
+    e = np.round(rng.random(n), 3)  # ties too
+    if not spread:
+        e = np.sort(e)  # the largest residuals all in the last chunk
+    state = SimpleNamespace(e=e, P=np.asfortranarray(rng.normal(size=(n, 3))), rank=3)
+    bounds = [(k * 1000, (k + 1) * 1000) for k in range(4)]
+    backend = _RangesBackend(state, bounds, limit=2 * (count + 1) // 4 + 64)
+    colsq, cand = gather_candidates(backend, 0, 3, CandidateRequest("top", count))
+    order = np.lexsort((np.arange(n), -e))
+    np.testing.assert_array_equal(cand.index, order[:count])
+    assert cand.bound == e[order[count]]
+    np.testing.assert_allclose(colsq, (state.P**2).sum(axis=0), rtol=1e-13)
+    assert backend.maps == ([214] if spread else [214, 0])
