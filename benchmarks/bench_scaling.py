@@ -40,6 +40,10 @@ seconds) divides by W, the driver's share (c) does not, so
 workers against 1 at n = 1e6, s = 150; the idle share of a pass at
 n = 2e6; the driver's time per pass at n = 5e5 against 4e6.
 
+``--near-identity`` times block greedy against greedy on scikit-learn's
+digits at gamma 2**-6 (blocks of one pivot: block greedy falls back to
+greedy passes); ``--targets`` prints it too.
+
 ``--quick`` is the many-core plan: n = 2e6 with W = 1, 2, 4, 8, 16 (those
 the machine has), then n = 8e6 with the largest W, each with numpy and
 scikit-learn; about 5 minutes on 16 cores.  With ``$OUT`` set, everything
@@ -439,6 +443,37 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
     return {"rows": rows, "totals": totals}
 
 
+def near_identity(repeats: int = 7) -> None:
+    """Block greedy against greedy where blocks stay at one pivot (scikit-learn's digits at
+    gamma 2**-6, 300 pivots): seconds (best of ``repeats``), passes, identical pivots."""
+    from sklearn.datasets import load_digits
+
+    from dkicf import incomplete_cholesky
+
+    X = load_digits().data.astype(np.float64)
+    say(f"\n== near-identity kernel: digits ({X.shape[0]} x {X.shape[1]}), gamma 2**-6, "
+        f"300 pivots, numpy backend, best of {repeats}")
+    best, runs = {}, {}
+    import warnings
+
+    for _ in range(repeats):
+        for rule in ("greedy", "block-greedy"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the kernel is near the identity: it warns
+                t0 = time.perf_counter()
+                runs[rule] = incomplete_cholesky(X, gamma=2.0**-6, max_rank=300, tol=0.0,
+                                                 pivoting=rule)
+                best[rule] = min(best.get(rule, math.inf), time.perf_counter() - t0)
+    same = np.array_equal(runs["greedy"].pivots, runs["block-greedy"].pivots)
+    blocks = runs["block-greedy"].info["blocks"]
+    singles = sum(1 for _, _, why in blocks if why == "single")
+    for rule in ("greedy", "block-greedy"):
+        say(f"  {rule:<13} {best[rule] * 1e3:8.1f} ms  {runs[rule].n_passes:4d} passes")
+    say(f"  block greedy / greedy: {best['block-greedy'] / best['greedy']:.2f}x; "
+        f"{singles} of {len(blocks)} passes fell back to one pivot; pivots identical: {same}")
+    assert same, "block greedy's pivots differ from greedy's"
+
+
 def targets(s: int, d: int, gamma: float, chunks_per_worker: int) -> None:
     """The issue's 2-core targets."""
     say("\n#### 2-core targets of the scale-out issue")
@@ -509,6 +544,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-sklearn", action="store_true")
     p.add_argument("--no-breakdown", action="store_true")
     p.add_argument("--targets", action="store_true", help="the issue's 2-core targets")
+    p.add_argument("--near-identity", action="store_true",
+                   help="only block greedy against greedy on a near-identity kernel")
     p.add_argument("--quick", action="store_true",
                    help="n = 2e6 with W = 1, 2, 4, 8, 16, then n = 8e6 with the largest W")
     p.add_argument("--prefault-gb", type=float, default=None,
@@ -517,6 +554,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     C = cores()
     say(f"bench_scaling: {C} cores, python {sys.version.split()[0]}, {_version()}")
+    if args.near_identity:
+        args.prefault_gb = 0.0
     if args.prefault_gb is None:
         import psutil
 
@@ -526,8 +565,11 @@ def main(argv=None) -> None:
     prefault(args.prefault_gb)
     default_w = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= C]
     try:
-        if args.targets:
+        if args.near_identity:
+            near_identity()
+        elif args.targets:
             targets(args.s, args.d, args.gamma, args.chunks_per_worker)
+            near_identity()
         elif args.quick:
             ws = args.workers or default_w
             scaling(2_000_000, args.s, args.d, args.gamma, ws, args.chunks_per_worker,

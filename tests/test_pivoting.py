@@ -442,3 +442,45 @@ def test_candidates_cut_per_chunk_are_asked_again_only_when_needed(spread, rng):
     assert cand.bound == e[order[count]]
     np.testing.assert_allclose(colsq, (state.P**2).sum(axis=0), rtol=1e-13)
     assert backend.maps == ([214] if spread else [214, 0])
+
+
+def test_blocks_that_stay_at_one_pivot_fall_back_to_greedy_passes(rng, monkeypatch):
+    """A near-identity kernel: blocks end at one pivot, so block greedy then takes the
+    largest residual alone for a while (no candidates), with the sequential pivots."""
+    from sklearn.datasets import load_digits
+
+    from dkicf import pivoting
+
+    X = load_digits().data.astype(float)
+    kw = {"gamma": 2.0**-6, "max_rank": 300, "tol": 0}  # 296 blocks for 300 pivots
+    seq = incomplete_cholesky(X, pivoting="greedy", **kw)
+    calls = []
+    real = pivoting.chunk_block_stats
+    monkeypatch.setattr(pivoting, "chunk_block_stats",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    blk = incomplete_cholesky(X, **kw)
+    np.testing.assert_array_equal(blk.pivots, seq.pivots)
+    np.testing.assert_allclose(blk.trace_errors, seq.trace_errors, rtol=0, atol=1e-10)
+    whys = [why for _, _, why in blk.info["blocks"]]
+    assert whys.count("single") > 0.8 * len(whys)
+    assert len(calls) < 0.2 * blk.n_passes  # candidates asked for by the tried blocks only
+
+
+def test_single_passes_follow_the_blocks_and_the_cost_of_a_pass():
+    from dkicf.icf import _DRIVER_ROWS, _single_pass
+
+    one, big, single = (64, 1, "bound"), (64, 9, "bound"), (0, 1, "single")
+    small_n = 2000  # a pass costs less than the candidates: at most 16 single passes
+    assert not _single_pass([], small_n, 64)
+    assert not _single_pass([big], small_n, 64)
+    assert _single_pass([one], small_n, 64)  # one block of one: one single pass
+    assert not _single_pass([one, single], small_n, 64)  # then a block again
+    assert _single_pass([one, single, one, single], small_n, 64)  # two in a row: two
+    assert not _single_pass([one, single, one, single, single], small_n, 64)
+    assert not _single_pass([one, single, big], small_n, 64)  # a block grew: blocks
+    assert not _single_pass([(64, 1, "cap")], small_n, 64)  # capped by the caller
+    # After many blocks of one, the run of single passes is capped by the cost ratio.
+    history = [one] * 10 + [single] * ((64 + _DRIVER_ROWS) // small_n)
+    assert not _single_pass(history, small_n, 64)
+    # Large n: a pass costs more than the candidates' work, never a single pass.
+    assert not _single_pass([one] * 10, 10**6, 4096)
