@@ -219,7 +219,10 @@ class DaskBackend:
     X chunks are either held in worker memory (``persist=True``) or re-read
     from their source (for example Zarr) by every pass.  Consecutive chunks
     of X are grouped into about one task per worker thread
-    (:func:`work_chunks`), placed evenly over the workers.  The chunk states
+    (:func:`work_chunks`), placed evenly over the workers; chunks of an X
+    already in worker memory (persisted) are grouped only with neighbours
+    on the same worker and their tasks run there, so that no byte of X or
+    P moves between workers during the fit.  The chunk states
     (P rows and residuals) are futures: a worker that dies loses them, and the
     scheduler recomputes them from their lineage (X chunk, earlier state,
     pivot block), so no state lives only in scattered data.  One iteration is
@@ -501,17 +504,22 @@ class DaskBackend:
 
     def rows(self, index: np.ndarray):
         index = np.asarray(index, dtype=np.int64)
+        ahead, self._rows_ahead = getattr(self, "_rows_ahead", None), None
+        if ahead is not None:
+            found = self._rows_from(ahead, index)
+            if found is not None:
+                return found
         js, local = self._locate(index)
         groups: dict[int, list[int]] = {}
         for pos, j in enumerate(js):
             groups.setdefault(int(j), []).append(pos)
-        futs = [
-            self.client.submit(
-                _chunk.chunk_rows, self._x(j), self.states[j], local[pos],
-                key=f"icf-rows-{self.token}-{self.step}-{j}",
-            )
-            for j, pos in groups.items()
-        ]
+        # One message to the scheduler for all chunks (a submit each cost
+        # a scheduler round of its own: tens of ms a pass with 16 workers).
+        futs = self.client.map(
+            _chunk.chunk_rows, [self._x(j) for j in groups], [self.states[j] for j in groups],
+            [local[pos] for pos in groups.values()],
+            key=[f"icf-rows-{self.token}-{self.step}-{j}" for j in groups], pure=False,
+        )
         parts = self._gather(futs)
         b = index.shape[0]
         xr = np.empty((b, self.d))
@@ -522,6 +530,23 @@ class DaskBackend:
             xr[pos], pr[pos], er[pos] = x_, p_, e_
             if aux is not None:
                 aux[pos] = a_
+        return xr, aux, pr, er
+
+    def _rows_from(self, ahead: list, index: np.ndarray):
+        """The rows at ``index`` from the chunks' largest residuals fetched with the last
+        pass (:func:`~dkicf._chunk.chunk_top_rows`), or None if one is missing there."""
+        parts = self._gather(ahead)
+        where = np.concatenate([p[0] for p in parts])
+        order = np.argsort(where, kind="stable")
+        pos = np.searchsorted(where[order], index)
+        pos = np.minimum(pos, where.shape[0] - 1)
+        if where.shape[0] == 0 or not np.array_equal(where[order][pos], index):
+            return None
+        take = order[pos]
+        xr = np.concatenate([p[1] for p in parts])[take]
+        aux = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])[take]
+        pr = np.concatenate([p[3] for p in parts])[take]
+        er = np.concatenate([p[4] for p in parts])[take]
         return xr, aux, pr, er
 
     def apply(
@@ -558,6 +583,15 @@ class DaskBackend:
             None if inbox is None else prefetch,
             each=(True, True, False, True, True, False),
         )
+        self._rows_ahead = None
+        if self.persist and prefetch is not None and prefetch[2].limit:
+            # The rows of X and P that the next candidates come from, fetched
+            # now with the pass: the driver gathers them, saving the round
+            # trip of tasks sent once it has chosen (X is read, not re-read).
+            self._rows_ahead = self._map(
+                "top-rows", _chunk.chunk_top_rows, self._xs(), self.states, prefetch[2].limit,
+                each=(True, True, False),
+            )
         parts = None if inbox is None else inbox.collect(self.step, self.states)
         self._settle()
         if parts is None:

@@ -594,6 +594,18 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
     return xr, aux, pr, state.e[local].copy()
 
 
+def chunk_top_rows(x: np.ndarray, state: ChunkState, count: int):
+    """``(global rows, then chunk_rows' values)`` of the chunk's ``count`` largest residuals.
+
+    The rows that :func:`~dkicf.pivoting.chunk_block_stats` sends for a
+    request limited to ``count`` (the same ties to the lowest index).
+    """
+    from .pivoting import _top_rows
+
+    local = _top_rows(state.e, count) if state.e.shape[0] else np.empty(0, dtype=np.int64)
+    return (local + state.offset, *chunk_rows(x, state, local))
+
+
 def _gather_rows(P: np.ndarray, local: np.ndarray, cols: int) -> np.ndarray:
     """``P[local, :cols]`` as a new Fortran-ordered array.
 

@@ -484,3 +484,31 @@ def test_single_passes_follow_the_blocks_and_the_cost_of_a_pass():
     assert not _single_pass(history, small_n, 64)
     # Large n: a pass costs more than the candidates' work, never a single pass.
     assert not _single_pass([one] * 10, 10**6, 4096)
+
+
+def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names):
+    """With X held on the workers, each pass also fetches its chunks' largest residuals'
+    rows, and the driver takes the candidates' rows from them: no task after the choice,
+    and the same fit."""
+    from dkicf._backends import DaskBackend
+
+    X = rng.normal(size=(6000, 5))
+    kw = {"gamma": 0.3, "max_rank": 150, "tol": 0}
+    ref = incomplete_cholesky(X, **kw)
+    served = []
+    real = DaskBackend._rows_from
+
+    def spy(self, *args):
+        found = real(self, *args)
+        served.append(found is not None)
+        return found
+
+    monkeypatch.setattr(DaskBackend, "_rows_from", spy)
+    res = incomplete_cholesky(da.from_array(X, chunks=(1500, 5)), client=client, **kw)
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P, rtol=0, atol=1e-10)
+    tried = [why for _, _, why in res.info["blocks"] if why != "single"]
+    assert len(tried) >= 3
+    assert len(tried) <= map_names.count("top-rows") <= map_names.count("update")
+    # The first block's candidate rows come from tasks, every later block's from a pass.
+    assert served == [True] * (len(tried) - 1)
