@@ -47,14 +47,6 @@ class NumpyBackend:
         self.X = _chunk.as_float(X)
         self.n, self.d = self.X.shape
         self.step = 0
-        if restore is None:
-            self.state = _chunk.chunk_init(self.X, kernel, 0, capacity, checked=checked)
-        else:
-            spec, point = restore
-            self.step = int(point["iteration"])
-            self.state = _chunk.chunk_restore(
-                self.X, None, spec, kernel, 0, capacity, None, point, stored=False
-            )
         self.n_threads = n_threads or _cpu_count()
         self._pool = None
         self._limiter = None
@@ -67,6 +59,29 @@ class NumpyBackend:
         # block per pass: long passes, smaller tasks that stay in cache.
         self.bounds = _even_bounds(self.n, self._BLOCK_ROWS, self.n_threads)
         self.fine_bounds = _even_bounds(self.n, _chunk.ROW_BLOCK, self.n_threads)
+        # One range per thread for the candidate statistics: each returns its
+        # own candidates, which the driver merges.
+        self.thread_bounds = _even_bounds(self.n, -(-self.n // self.n_threads), self.n_threads)
+        if restore is None:
+            # The O(n) set-up (checks, kernel diagonal, first touch of P's
+            # memory) on the pool's threads: serial, it took as long as
+            # several passes on many cores.
+            self.state = _chunk.chunk_init(self.X, kernel, 0, capacity, checked=checked,
+                                           run=self._run_ranges)
+        else:
+            spec, point = restore
+            self.step = int(point["iteration"])
+            self.state = _chunk.chunk_restore(
+                self.X, None, spec, kernel, 0, capacity, None, point, stored=False
+            )
+
+    def _run_ranges(self, func, bounds=None) -> list:
+        """``[func(lo, hi) for (lo, hi) in bounds]`` on the pool (default: the coarse bounds)."""
+        bounds = self.bounds if bounds is None else bounds
+        if self._pool is None:
+            return [func(lo, hi) for lo, hi in bounds]
+        futs = [self._pool.submit(func, lo, hi) for lo, hi in bounds]
+        return [f.result() for f in futs]
 
     @property
     def pool(self):
@@ -114,7 +129,20 @@ class NumpyBackend:
         """Nothing to do: this process's state has no lineage to cut."""
 
     def map_chunks(self, func, *args) -> list:
-        """``[func(X, state, 0, *args)]``: the whole dataset is one chunk."""
+        """``[func(X, state, 0, *args)]``: the whole dataset is one chunk.
+
+        :func:`~dkicf.pivoting.chunk_block_stats` (the block rules' candidate
+        statistics, ``O(n)`` per pass) runs on the pool instead, one call per
+        thread's range of rows: its results are those of as many chunks.
+        """
+        from .pivoting import chunk_block_stats
+
+        if func is chunk_block_stats and self._pool is not None:
+            st = self.state
+            return self._run_ranges(
+                lambda lo, hi: func(None, _chunk.RowRange(st, lo, hi), lo, *args),
+                self.thread_bounds,
+            )
         return [func(self.X, self.state, 0, *args)]
 
     def result_arrays(self, rank: int):
@@ -191,7 +219,10 @@ class DaskBackend:
     X chunks are either held in worker memory (``persist=True``) or re-read
     from their source (for example Zarr) by every pass.  Consecutive chunks
     of X are grouped into about one task per worker thread
-    (:func:`work_chunks`), placed evenly over the workers.  The chunk states
+    (:func:`work_chunks`), placed evenly over the workers; chunks of an X
+    already in worker memory (persisted) are grouped only with neighbours
+    on the same worker and their tasks run there, so that no byte of X or
+    P moves between workers during the fit.  The chunk states
     (P rows and residuals) are futures: a worker that dies loses them, and the
     scheduler recomputes them from their lineage (X chunk, earlier state,
     pivot block), so no state lives only in scattered data.  One iteration is
@@ -223,9 +254,21 @@ class DaskBackend:
         # Consecutive row chunks are grouped into one task each, about one per
         # worker thread (as memory allows): the per-pass cost of the scheduler
         # grows with the number of tasks, not with their size.
+        # X held in worker memory (persisted) stays where it is: chunks are
+        # grouped only with neighbours on the same worker, and each group's
+        # tasks run there, so no byte of X or P moves between workers.
+        holders = _holders(self.client, X) if persist else None
         sizes = work_chunks(self.client, self.input_chunks, self.d, X.dtype, capacity, store,
-                            persist)
+                            persist, holders)
         input_starts = np.concatenate([[0], np.cumsum(self.input_chunks)]).astype(np.int64)
+        held_chunks = None
+        if holders is not None:
+            ends = np.searchsorted(input_starts, np.cumsum(sizes))
+            groups = list(zip(np.concatenate([[0], ends[:-1]]).tolist(), ends.tolist()))
+            held_chunks = (list(X.to_delayed().ravel()), groups)
+            self._home = [holders[a] for a, _ in groups]
+        else:
+            self._home = None
         if len(sizes) < len(self.input_chunks):
             X = X.rechunk({0: sizes})
         self.chunks = tuple(int(c) for c in X.chunks[0])
@@ -262,10 +305,12 @@ class DaskBackend:
         self.persist = persist
         self._x_step = None
         self._x_futs = None
-        # Where each chunk's state starts: consecutive chunks on the same
-        # worker, rows shared in proportion to the workers' threads.  Later
-        # tasks follow the states, so the passes stay balanced.
-        self._home = _placement(self.client, self.chunks)
+        # Where each chunk's state starts: where its rows of X are held, or
+        # else consecutive chunks on the same worker, rows shared in
+        # proportion to the workers' threads.  Later tasks follow the
+        # states, so the passes stay balanced.
+        if self._home is None:
+            self._home = _placement(self.client, self.chunks)
         self._n_workers = len(_worker_resources(self.client)[0])
         # Keys of tasks submitted with a preferred worker, whose preference is
         # dropped once they have run (see _settle), and the watch of waiting
@@ -276,10 +321,15 @@ class DaskBackend:
             # Each chunk copied once into memory the worker allocated itself:
             # chunks unpickled from a transfer can sit in buffers that BLAS
             # reads at half speed, and every pass reads them.
-            raw = self.client.compute(self._x_blocks)
+            if held_chunks is None:
+                raw = [[r] for r in self.client.compute(self._x_blocks)]
+            else:  # the input chunks, grouped where they are held
+                blocks, groups = held_chunks
+                found = self.client.compute(blocks)
+                raw = [found[a:b] for a, b in groups]
             self._x_futs = [
                 self.client.submit(
-                    _own_copy, r, key=f"icf-x-{self.token}-{j}", **self._where(j)
+                    _own_copy, *r, key=f"icf-x-{self.token}-{j}", **self._where(j)
                 )
                 for j, r in enumerate(raw)
             ]
@@ -454,17 +504,22 @@ class DaskBackend:
 
     def rows(self, index: np.ndarray):
         index = np.asarray(index, dtype=np.int64)
+        ahead, self._rows_ahead = getattr(self, "_rows_ahead", None), None
+        if ahead is not None:
+            found = self._rows_from(ahead, index)
+            if found is not None:
+                return found
         js, local = self._locate(index)
         groups: dict[int, list[int]] = {}
         for pos, j in enumerate(js):
             groups.setdefault(int(j), []).append(pos)
-        futs = [
-            self.client.submit(
-                _chunk.chunk_rows, self._x(j), self.states[j], local[pos],
-                key=f"icf-rows-{self.token}-{self.step}-{j}",
-            )
-            for j, pos in groups.items()
-        ]
+        # One message to the scheduler for all chunks (a submit each cost
+        # a scheduler round of its own: tens of ms a pass with 16 workers).
+        futs = self.client.map(
+            _chunk.chunk_rows, [self._x(j) for j in groups], [self.states[j] for j in groups],
+            [local[pos] for pos in groups.values()],
+            key=[f"icf-rows-{self.token}-{self.step}-{j}" for j in groups], pure=False,
+        )
         parts = self._gather(futs)
         b = index.shape[0]
         xr = np.empty((b, self.d))
@@ -475,6 +530,23 @@ class DaskBackend:
             xr[pos], pr[pos], er[pos] = x_, p_, e_
             if aux is not None:
                 aux[pos] = a_
+        return xr, aux, pr, er
+
+    def _rows_from(self, ahead: list, index: np.ndarray):
+        """The rows at ``index`` from the chunks' largest residuals fetched with the last
+        pass (:func:`~dkicf._chunk.chunk_top_rows`), or None if one is missing there."""
+        parts = self._gather(ahead)
+        where = np.concatenate([p[0] for p in parts])
+        order = np.argsort(where, kind="stable")
+        pos = np.searchsorted(where[order], index)
+        pos = np.minimum(pos, where.shape[0] - 1)
+        if where.shape[0] == 0 or not np.array_equal(where[order][pos], index):
+            return None
+        take = order[pos]
+        xr = np.concatenate([p[1] for p in parts])[take]
+        aux = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])[take]
+        pr = np.concatenate([p[3] for p in parts])[take]
+        er = np.concatenate([p[4] for p in parts])[take]
         return xr, aux, pr, er
 
     def apply(
@@ -491,8 +563,8 @@ class DaskBackend:
         ``map_chunks(chunk_block_stats, lo, hi, request)`` costs no round trip.
         """
         self._prefetched = None
-        if prefetch is not None and (prefetch[2].count + 1) * len(self.states) > _PREFETCH_ENTRIES:
-            prefetch = None
+        if prefetch is not None:
+            prefetch = self._prefetch_request(*prefetch)
         arg = block
         if _block_nbytes(block) * len(self.states) > _INLINE_BLOCK_BYTES:
             # Large blocks become one task shared by every chunk: sent to the
@@ -511,6 +583,15 @@ class DaskBackend:
             None if inbox is None else prefetch,
             each=(True, True, False, True, True, False),
         )
+        self._rows_ahead = None
+        if self.persist and prefetch is not None and prefetch[2].limit:
+            # The rows of X and P that the next candidates come from, fetched
+            # now with the pass: the driver gathers them, saving the round
+            # trip of tasks sent once it has chosen (X is read, not re-read).
+            self._rows_ahead = self._map(
+                "top-rows", _chunk.chunk_top_rows, self._xs(), self.states, prefetch[2].limit,
+                each=(True, True, False),
+            )
         parts = None if inbox is None else inbox.collect(self.step, self.states)
         self._settle()
         if parts is None:
@@ -523,6 +604,26 @@ class DaskBackend:
         if self.step - self._last_rebase >= self.rebase_every:
             self._rebase(history)
         return summary
+
+    def _prefetch_request(self, lo: int, hi: int, request) -> tuple | None:
+        """What the update tasks send of the next candidate request (None: nothing).
+
+        For the largest residuals, each chunk sends about twice its share
+        of them (:func:`_top_share`): the sum over the chunks stays small
+        however many there are, and the driver asks again in full only
+        when a chunk held more of them than it sent (see
+        :func:`~dkicf.pivoting.gather_candidates`).
+        """
+        from dataclasses import replace
+
+        count = len(self.states)
+        if request.rule == "top" and request.count:
+            share = _top_share(request.count + 1, max(self.chunks), self.n)
+            request = replace(request, limit=share)
+            entries = share * count
+        else:
+            entries = (request.count + 1) * count
+        return None if entries > _PREFETCH_ENTRIES else (lo, hi, request)
 
     def _rebase(self, history: _chunk.History) -> None:
         """Cut the lineage: new state futures whose spec rebuilds from X and the history.
@@ -926,6 +1027,12 @@ async def _drop_topic(topic: str, dask_scheduler=None, wait: float = 2.0) -> boo
     return found is not None
 
 
+def _top_share(count: int, rows: int, n: int) -> int:
+    """Largest residuals a chunk of ``rows`` of ``n`` sends of the ``count`` largest overall:
+    twice its share, and at least 64 more."""
+    return int(min(count, math.ceil(2 * count * rows / max(n, 1)) + 64))
+
+
 def _stash_share(count: int, rows: int, n: int) -> int:
     """Candidate rows a chunk of ``rows`` of ``n`` keeps for a request of ``count``.
 
@@ -965,8 +1072,33 @@ def _identity(x):
     return x
 
 
-def _own_copy(x) -> np.ndarray:
-    return np.array(x, order="C", copy=True)
+def _own_copy(*parts) -> np.ndarray:
+    """The row chunks ``parts`` as one new C-ordered array."""
+    if len(parts) == 1:
+        return np.array(parts[0], order="C", copy=True)
+    return np.concatenate(parts, axis=0)
+
+
+def _holders(client, X) -> list[str] | None:
+    """The worker holding each row chunk of ``X``, if all are in worker memory (else None)."""
+    from dask.core import flatten
+
+    keys = list(flatten(X.__dask_keys__()))
+    try:
+        found = client.run_on_scheduler(_who_holds, keys=keys)
+    except Exception:  # best effort: the chunks are then placed as if not held
+        return None
+    return found if found and all(found) else None
+
+
+def _who_holds(keys: list, dask_scheduler=None) -> list:
+    """On the scheduler: one worker holding each key in memory (None where none does)."""
+    out = []
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        holders = sorted(ws.address for ws in ts.who_has) if ts is not None else []
+        out.append(holders[0] if holders else None)
+    return out
 
 
 def _worker_resources(client) -> tuple[list[int], list[int]]:
@@ -1421,7 +1553,7 @@ def _p_rows(chunks) -> int:
 
 
 def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
-                hold_x: bool = False) -> tuple[int, ...]:
+                hold_x: bool = False, homes: list | None = None) -> tuple[int, ...]:
     """Row counts of the tasks of one pass: consecutive chunks of X grouped.
 
     About one group per worker thread, each allocating at most
@@ -1430,13 +1562,16 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
     tails, vectors, X with ``hold_x``) are counted (see
     :func:`task_transient`), never splitting a chunk.  With P in Zarr the
     groups stay aligned with its Zarr chunks, whose rows divide every chunk
-    of X.
+    of X.  ``homes`` (the worker holding each chunk, for X in worker
+    memory): only neighbours on the same worker are grouped, each run of
+    them into about its worker's threads times its share of that worker's
+    rows.
     """
     chunks = tuple(int(c) for c in chunks)
     limits, threads = _worker_resources(client)
     n_threads = max(1, sum(threads))
     m = len(chunks)
-    if m <= n_threads:
+    if homes is None and m <= n_threads:
         return chunks
     itemsize = np.dtype(dtype).itemsize
     columns = None if store is None else store.columns
@@ -1453,17 +1588,41 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
         def transient(rows):
             return pass_transient(rows, d, itemsize, capacity, columns, p_rows)
 
-    for g in range(n_threads, m + 1):
-        # Cut at the chunk boundaries nearest to equal shares of rows.
-        t = np.arange(1, g) * n / g
-        up = np.clip(np.searchsorted(starts, t), 1, m)
-        near = np.where(t - starts[up - 1] < starts[up] - t, up - 1, up)
-        cuts = np.unique(np.concatenate([[0], near, [m]]))
-        sizes = np.diff(starts[cuts])
-        sizes = sizes[sizes > 0]
-        if len(sizes) >= m or transient is None or transient(int(sizes.max())) <= budget:
-            return tuple(int(v) for v in sizes)
-    return chunks
+    def cut(part: tuple[int, ...], least: int) -> tuple[int, ...]:
+        """``part`` in at least ``least`` groups of nearly equal rows that fit the budget."""
+        k = len(part)
+        edges = np.concatenate([[0], np.cumsum(part)])
+        rows = int(edges[-1])
+        for g in range(min(least, k), k + 1):
+            # Cut at the chunk boundaries nearest to equal shares of rows.
+            t = np.arange(1, g) * rows / g
+            up = np.clip(np.searchsorted(edges, t), 1, k)
+            near = np.where(t - edges[up - 1] < edges[up] - t, up - 1, up)
+            cuts = np.unique(np.concatenate([[0], near, [k]]))
+            sizes = np.diff(edges[cuts])
+            sizes = sizes[sizes > 0]
+            if len(sizes) >= k or transient is None or transient(int(sizes.max())) <= budget:
+                return tuple(int(v) for v in sizes)
+        return part
+
+    if homes is None:
+        return cut(chunks, n_threads)
+    info = _scheduler_info(client).get("workers", {})
+    held: dict = {}
+    for c, h in zip(chunks, homes):
+        held[h] = held.get(h, 0) + c
+    out: list[int] = []
+    j = 0
+    while j < m:
+        k = j
+        while k < m and homes[k] == homes[j]:
+            k += 1
+        run = chunks[j:k]
+        own = int((info.get(homes[j]) or {}).get("nthreads") or 1)
+        share = max(1, round(own * sum(run) / max(held[homes[j]], 1)))
+        out += cut(run, share)
+        j = k
+    return tuple(out)
 
 
 def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool,

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy.linalg import solve_triangular
+from scipy.linalg.blas import dtrsm as _dtrsm
 from threadpoolctl import ThreadpoolController
 
 from .kernels import Kernel
@@ -58,7 +58,7 @@ _HUGE_BYTES = 4 << 20
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
-def empty_columns(n: int, cols: int) -> np.ndarray:
+def empty_columns(n: int, cols: int, populate: bool = True) -> np.ndarray:
     """An uninitialised ``(n, cols)`` float64 Fortran-ordered buffer for columns of P.
 
     Large buffers are anonymous memory maps advised to use transparent huge
@@ -66,6 +66,8 @@ def empty_columns(n: int, cols: int) -> np.ndarray:
     in the iteration that writes it, and with 4 KiB pages those first-touch
     faults can cost as much as the iteration itself (virtual machines make
     each fault expensive).  With 2 MiB pages there are 512 times fewer.
+    ``populate=False`` leaves the first touch to the caller (who may spread
+    it over threads).
     """
     nbytes = 8 * n * cols
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -78,10 +80,11 @@ def empty_columns(n: int, cols: int) -> np.ndarray:
         pass
     # Fault every page in now, in one system call: far cheaper than one trap
     # per page spread over the iterations.
-    try:
-        buf.madvise(_POPULATE_WRITE)
-    except (OSError, ValueError):  # kernel < 5.14
-        pass
+    if populate:
+        try:
+            buf.madvise(_POPULATE_WRITE)
+        except (OSError, ValueError):  # kernel < 5.14
+            pass
     return np.frombuffer(buf, dtype=_FLOAT).reshape((n, cols), order="F")
 
 
@@ -359,13 +362,19 @@ def chunk_init(
     chunk: int | None = None,
     store: StoreSpec | None = None,
     checked: bool = False,
+    run=None,
 ) -> ChunkState:
     """Check the chunk, compute its kernel diagonal and allocate its factor buffer.
 
     With ``store``, the buffer is the in-memory tail of one column block.
     ``checked=True`` skips the test for NaN and infinity (the caller made it).
+    ``run(func)``, if given, calls ``func(lo, hi)`` over ranges of rows
+    covering the chunk (on threads) and returns the results in order: the
+    work is then split between those calls (see :func:`_init_ranges`).
     """
     x = materialize(x)
+    if run is not None and store is None and x.shape[0]:
+        return _init_ranges(x, kernel, offset, capacity, chunk, checked, run)
     with threadpool_limits(1):
         x, aux = _prepare(x, kernel, offset, chunk, checked)
         e = np.array(kernel.diag(x, aux), dtype=_FLOAT)
@@ -377,11 +386,73 @@ def chunk_init(
             )
     width = capacity if store is None else store.columns
     P = empty_columns(x.shape[0], width)
+    return _new_state(P, e, aux, offset, store, chunk, kernel)
+
+
+def _new_state(P, e, aux, offset, store, chunk, kernel) -> ChunkState:
     state = ChunkState(P, e, aux, 0, offset, n_passes=1, store=store,
-                       segments=segments_of(chunk, offset, x.shape[0]))
+                       segments=segments_of(chunk, offset, e.shape[0]))
     if aux is not None and aux.size and getattr(kernel, "_aux_is_sqnorms", False):
         state.max_sqnorm = float(aux.max())
     return state
+
+
+def _init_ranges(x, kernel: Kernel, offset: int, capacity: int, chunk, checked: bool, run):
+    """:func:`chunk_init` with its ``O(n)`` work split into ``run``'s ranges of rows.
+
+    The checks, the kernel's auxiliary values and diagonal are row by row,
+    so they are the same values as in one call; P's buffer is touched for
+    the first time by the ranges too (their rows of it), instead of one
+    thread faulting in all of it.
+    """
+    x = as_float(x)
+    n = x.shape[0]
+    aux = None if kernel.prepare(x[:1]) is None else np.empty(n, dtype=_FLOAT)
+    e = np.empty(n, dtype=_FLOAT)
+    P = empty_columns(n, capacity, populate=False)
+
+    # No BLAS limit here: the caller's threads run with one BLAS thread each.
+    def part(lo: int, hi: int):
+        xs = x[lo:hi]
+        if not checked:
+            check_finite(xs, offset + lo, chunk)
+        a = None
+        if aux is not None:
+            a = aux[lo:hi]
+            a[...] = kernel.prepare(xs)
+        es = e[lo:hi]
+        es[...] = kernel.diag(xs, a)
+        bad = np.flatnonzero(~(es >= 0) | ~np.isfinite(es))
+        # The first touch of this range's rows of P: the thread that will
+        # update them places their pages (on its memory node, if several).
+        P[lo:hi] = 0.0
+        return int(bad[0]) + lo if bad.size else None
+
+    found = [b for b in run(part) if b is not None]
+    if found:
+        bad = found[0]
+        raise ValueError(
+            f"the kernel's diagonal is negative or not finite at row {bad + offset}: "
+            f"k(x, x) = {e[bad]!r}. The kernel must be positive semi-definite."
+        )
+    return _new_state(P, e, aux, offset, None, chunk, kernel)
+
+
+class RowRange:
+    """Rows ``lo:hi`` of an in-memory chunk state, read as
+    :func:`~dkicf.pivoting.chunk_block_stats` reads a state (residual and columns of P)."""
+
+    __slots__ = ("state", "lo", "hi")
+
+    def __init__(self, state: ChunkState, lo: int, hi: int):
+        self.state, self.lo, self.hi = state, lo, hi
+
+    @property
+    def e(self) -> np.ndarray:
+        return self.state.e[self.lo : self.hi]
+
+    def columns(self, lo: int, hi: int) -> np.ndarray:
+        return self.state.P[self.lo : self.hi, lo:hi]
 
 
 def _prepare(x, kernel: Kernel, offset: int, chunk: int | None, checked: bool = False):
@@ -523,6 +594,18 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
     return xr, aux, pr, state.e[local].copy()
 
 
+def chunk_top_rows(x: np.ndarray, state: ChunkState, count: int):
+    """``(global rows, then chunk_rows' values)`` of the chunk's ``count`` largest residuals.
+
+    The rows that :func:`~dkicf.pivoting.chunk_block_stats` sends for a
+    request limited to ``count`` (the same ties to the lowest index).
+    """
+    from .pivoting import _top_rows
+
+    local = _top_rows(state.e, count) if state.e.shape[0] else np.empty(0, dtype=np.int64)
+    return (local + state.offset, *chunk_rows(x, state, local))
+
+
 def _gather_rows(P: np.ndarray, local: np.ndarray, cols: int) -> np.ndarray:
     """``P[local, :cols]`` as a new Fortran-ordered array.
 
@@ -635,6 +718,7 @@ def update_rows(
         # is then formed, corrected, solved and squared before it leaves it.
         step = max(_MIN_SLICE, _SLICE_BYTES // (8 * b))
         sq = np.empty(hi - lo)
+        Lf = np.asfortranarray(block.L)
         for a in range(lo, hi, step):
             z = min(a + step, hi)
             G = block.kernel._block_into(
@@ -645,9 +729,11 @@ def update_rows(
                 G -= base[a:z]
             if i:
                 G -= np.dot(P[a:z, :i], block.U.T, out=_scratch(1, z - a, b))
-            # G.T is Fortran-ordered: LAPACK solves it in place.
-            G = solve_triangular(block.L, G.T, lower=True, check_finite=False,
-                                 overwrite_b=True).T
+            # G.T is Fortran-ordered: BLAS solves it in place.  The triangular
+            # solve that scipy.linalg wraps (LAPACK's trtrs calls this dtrsm),
+            # without its checks, which hold the GIL for tens of microseconds
+            # per slice: the numpy backend's threads queued on them.
+            G = _dtrsm(1.0, Lf, G.T, lower=1, overwrite_b=1).T
             P[a:z, i : i + b] = G
             np.einsum("ij,ij->i", G, G, out=sq[a - lo : z - lo])
     ep = e[lo:hi]

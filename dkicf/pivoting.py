@@ -153,6 +153,12 @@ class CandidateRequest:
     floor : float
         Race only: rows whose residual is ``<= floor`` (rounding noise) never
         arrive.
+    limit : int
+        ``"top"`` only: a chunk returns at most this many of its largest
+        residuals (0: ``count + 1``), and says whether it held more
+        (``cut``).  :func:`gather_candidates` checks that no chunk was cut
+        above the ``count + 1`` largest overall, and asks again in full if
+        one was: the candidates are the same either way.
     """
 
     rule: str = "top"
@@ -160,10 +166,12 @@ class CandidateRequest:
     key: np.ndarray | None = None
     draw: int = 0
     floor: float = 0.0
+    limit: int = 0
 
 
 def same_request(a: CandidateRequest, b: CandidateRequest) -> bool:
-    """Whether two requests ask for the same candidates (keys compared by value)."""
+    """Whether two requests ask for the same candidates (keys compared by value; a
+    ``limit`` changes how they are sent, not which they are)."""
     same_key = (a.key is None and b.key is None) or (
         a.key is not None and b.key is not None and np.array_equal(a.key, b.key)
     )
@@ -194,8 +202,11 @@ def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: Candidat
     if request.count == 0 or e.shape[0] == 0:
         out["key"], out["index"] = np.empty(0), np.empty(0, dtype=np.int64)
     elif request.rule == "top":
-        local = _top_rows(e, request.count + 1)
+        want = request.count + 1
+        take = min(want, request.limit) if request.limit else want
+        local = _top_rows(e, take)
         out["key"], out["index"] = e[local].copy(), local + offset
+        out["cut"] = take < want and e.shape[0] > take
     else:
         out["key"], out["index"] = _race_arrivals(
             e, offset, request.count, request.key, request.draw, request.floor
@@ -355,6 +366,13 @@ def gather_candidates(backend, lo: int, hi: int, request: CandidateRequest):
     index = np.concatenate([p["index"] for p in parts])
     if request.rule == "top":
         order = np.lexsort((index, -key))
+        if not _complete_top(parts, order, request.count + 1):
+            # A chunk sent fewer of its largest residuals than the overall
+            # top may hold: ask every chunk in full (a map, no pass over X).
+            parts = backend.map_chunks(chunk_block_stats, lo, lo, request)
+            key = np.concatenate([p["key"] for p in parts])
+            index = np.concatenate([p["index"] for p in parts])
+            order = np.lexsort((index, -key))
         top, rest = order[: request.count], order[request.count : request.count + 1]
         cand_index = index[top]
         xr, aux, pr, er = backend.rows(cand_index)
@@ -367,6 +385,28 @@ def gather_candidates(backend, lo: int, hi: int, request: CandidateRequest):
     unique, draws = np.unique(drawn, return_inverse=True)
     xr, aux, pr, er = backend.rows(unique)
     return colsq, Candidates(unique, er, xr, aux, pr, draws=draws.reshape(-1))
+
+
+def _complete_top(parts: list, order: np.ndarray, need: int) -> bool:
+    """Whether the ``need`` first entries of the merged ``order`` are the true ones.
+
+    A chunk that was cut (sent its largest residuals only) holds nothing
+    that ranks above the last entry it sent; that entry must rank no higher
+    than the ``need``-th overall, ties broken by the row index as the order.
+    """
+    if not any(p.get("cut", False) for p in parts):
+        return True
+    if order.shape[0] < need:
+        return False
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.shape[0])
+    start = 0
+    for p in parts:
+        count = p["key"].shape[0]
+        if p.get("cut", False) and (count == 0 or rank[start + count - 1] < need - 1):
+            return False
+        start += count
+    return True
 
 
 @dataclass

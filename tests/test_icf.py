@@ -452,3 +452,93 @@ def test_states_must_fit_below_dask_spilling_threshold(client):
     # P over the whole cluster: the advice is to keep it in Zarr.
     with pytest.raises(ValueError, match=r"more than 60% of the cluster's 4.00 GiB.*p_store="):
         check_worker_memory(client, (250_000,) * 4, 2, np.float64, 350, None, False)
+
+
+def _incoming(dask_worker=None) -> list:
+    """On a worker: the keys it fetched from other workers, in order."""
+    return [str(k) for entry in dask_worker.transfer_incoming_log for k in entry["keys"]]
+
+
+@pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])
+def test_persisted_X_and_P_never_move_between_workers(client, rng, pivoting):
+    """X held on the workers (several chunks each): the fit groups chunks only where they
+    are held, so the workers' transfer logs show no chunk of X or state (P) moving."""
+    from distributed import wait
+
+    X = rng.normal(size=(4000, 3))
+    Xd = client.persist(da.from_array(X, chunks=500))  # 8 chunks on 2 workers
+    wait(Xd)
+    assert len({w for ws in client.who_has(Xd).values() for w in ws}) == 2  # spread over both
+    before = {w: len(keys) for w, keys in client.run(_incoming).items()}
+    res = _incomplete_cholesky(Xd, gamma=0.5, max_rank=40, tol=0, client=client,
+                               pivoting=pivoting)
+    moved = [k for w, keys in client.run(_incoming).items() for k in keys[before.get(w, 0):]]
+    names = [Xd.name, "icf-x-", "icf-init-", "icf-update-", "icf-rebase-"]
+    assert [k for k in moved if any(name in k for name in names)] == []
+    ref = _incomplete_cholesky(X, gamma=0.5, max_rank=40, tol=0, pivoting=pivoting)
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+
+
+def test_work_chunks_group_only_neighbours_held_together():
+    from dkicf._backends import work_chunks
+
+    class FakeClient:
+        def scheduler_info(self, n_workers=-1):
+            return {"workers": {"a": {"nthreads": 1, "memory_limit": 0},
+                                "b": {"nthreads": 2, "memory_limit": 0}}}
+
+    homes = ["a", "a", "b", "b", "b", "b", "a", "a"]
+    sizes = work_chunks(FakeClient(), (100,) * 8, 4, np.float64, 10, None, homes=homes)
+    # a: two runs of 200 rows, one thread: one group each; b: 400 rows, two threads.
+    assert sizes == (200, 200, 200, 200)
+
+
+def test_parallel_set_up_equals_the_serial_one(rng):
+    """The numpy backend's set-up split over threads: the same state as one call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dkicf import _chunk
+    from dkicf._backends import _even_bounds
+
+    X = rng.normal(size=(3 * _chunk.ROW_BLOCK + 17, 4))
+    kernel = make_kernel("gaussian", gamma=0.3)
+    bounds = _even_bounds(X.shape[0], 5000, 3)
+    with ThreadPoolExecutor(3) as pool:
+        def run(func):
+            return [f.result() for f in [pool.submit(func, lo, hi) for lo, hi in bounds]]
+
+        par = _chunk.chunk_init(X, kernel, 7, 12, run=run)
+        one = _chunk.chunk_init(X, kernel, 7, 12)
+        np.testing.assert_array_equal(par.e, one.e)
+        np.testing.assert_array_equal(par.aux, one.aux)
+        assert par.max_sqnorm == one.max_sqnorm and par.P.shape == (X.shape[0], 12)
+        assert par.P.flags.f_contiguous and not par.P.any()  # touched, zero
+        Xbad = X.copy()
+        Xbad[4 * 5000 // 3 + 1, 2] = np.nan
+        with pytest.raises(ValueError, match=f"first at row {4 * 5000 // 3 + 1}"):
+            _chunk.chunk_init(Xbad, kernel, 0, 12, run=run)
+
+
+def test_numpy_candidate_statistics_by_thread_range_equal_one_chunk(rng, monkeypatch):
+    """Block-greedy's candidate statistics computed per thread's rows (the numpy backend):
+    the same candidates and, to rounding, the same column sums as over all rows at once."""
+    from dkicf import _backends, _chunk, pivoting
+
+    monkeypatch.setattr(_backends, "_cpu_count", lambda: 3)
+    X = rng.normal(size=(2 * _chunk.ROW_BLOCK + 500, 3))
+    kernel = make_kernel("gaussian", gamma=0.5)
+    backend = _backends.NumpyBackend(X, kernel, 20)
+    try:
+        st = backend.state
+        st.e[:] = np.round(rng.random(X.shape[0]), 2)  # many ties
+        st.P[:, :5] = rng.normal(size=(X.shape[0], 5))
+        st.rank = 5
+        request = pivoting.CandidateRequest("top", 300)
+        colsq, cand = pivoting.gather_candidates(backend, 1, 5, request)
+        assert len(backend.map_chunks(pivoting.chunk_block_stats, 1, 5, request)) == 3
+    finally:
+        backend.close()
+    np.testing.assert_allclose(colsq, (st.P[:, 1:5] ** 2).sum(axis=0), rtol=1e-13)
+    order = np.lexsort((np.arange(X.shape[0]), -st.e))
+    np.testing.assert_array_equal(cand.index, order[:300])
+    assert cand.bound == st.e[order[300]]

@@ -395,3 +395,120 @@ def test_candidates_grow_with_the_blocks_but_not_for_a_smaller_last_block():
     assert sizer.count(281) == 3750
     sizer.update(281, 3750, 300, "bound")  # the 19 left fit in a block like this one
     assert sizer.count(481) == 3750
+
+
+class _RangesBackend:
+    """Chunks as row ranges of one state; the first map sends each chunk's largest
+    residuals cut at ``limit`` (as dask update tasks do), later maps in full."""
+
+    def __init__(self, state, bounds, limit):
+        from dataclasses import replace
+
+        self.state, self.bounds, self.limit, self.maps = state, bounds, limit, []
+        self._replace = replace
+
+    def map_chunks(self, func, lo, hi, request):
+        from dkicf._chunk import RowRange
+
+        if not self.maps:
+            request = self._replace(request, limit=self.limit)
+        self.maps.append(request.limit)
+        return [func(None, RowRange(self.state, a, b), a, lo, hi, request)
+                for a, b in self.bounds]
+
+    def rows(self, index):
+        st = self.state
+        return st.P[index, :0], None, st.P[index, :st.rank], st.e[index].copy()
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_candidates_cut_per_chunk_are_asked_again_only_when_needed(spread, rng):
+    """Chunks that send twice their share of the largest residuals give the full request's
+    candidates; when one chunk holds more of them than it sent, the map is made again."""
+    from types import SimpleNamespace
+
+    from dkicf.pivoting import gather_candidates
+
+    n, count = 4000, 300
+    e = np.round(rng.random(n), 3)  # ties too
+    if not spread:
+        e = np.sort(e)  # the largest residuals all in the last chunk
+    state = SimpleNamespace(e=e, P=np.asfortranarray(rng.normal(size=(n, 3))), rank=3)
+    bounds = [(k * 1000, (k + 1) * 1000) for k in range(4)]
+    backend = _RangesBackend(state, bounds, limit=2 * (count + 1) // 4 + 64)
+    colsq, cand = gather_candidates(backend, 0, 3, CandidateRequest("top", count))
+    order = np.lexsort((np.arange(n), -e))
+    np.testing.assert_array_equal(cand.index, order[:count])
+    assert cand.bound == e[order[count]]
+    np.testing.assert_allclose(colsq, (state.P**2).sum(axis=0), rtol=1e-13)
+    assert backend.maps == ([214] if spread else [214, 0])
+
+
+def test_blocks_that_stay_at_one_pivot_fall_back_to_greedy_passes(rng, monkeypatch):
+    """A near-identity kernel: blocks end at one pivot, so block greedy then takes the
+    largest residual alone for a while (no candidates), with the sequential pivots."""
+    from sklearn.datasets import load_digits
+
+    from dkicf import pivoting
+
+    X = load_digits().data.astype(float)
+    kw = {"gamma": 2.0**-6, "max_rank": 300, "tol": 0}  # 296 blocks for 300 pivots
+    seq = incomplete_cholesky(X, pivoting="greedy", **kw)
+    calls = []
+    real = pivoting.chunk_block_stats
+    monkeypatch.setattr(pivoting, "chunk_block_stats",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    blk = incomplete_cholesky(X, **kw)
+    np.testing.assert_array_equal(blk.pivots, seq.pivots)
+    np.testing.assert_allclose(blk.trace_errors, seq.trace_errors, rtol=0, atol=1e-10)
+    whys = [why for _, _, why in blk.info["blocks"]]
+    assert whys.count("single") > 0.8 * len(whys)
+    assert len(calls) < 0.2 * blk.n_passes  # candidates asked for by the tried blocks only
+
+
+def test_single_passes_follow_the_blocks_and_the_cost_of_a_pass():
+    from dkicf.icf import _DRIVER_ROWS, _single_pass
+
+    one, big, single = (64, 1, "bound"), (64, 9, "bound"), (0, 1, "single")
+    small_n = 2000  # a pass costs less than the candidates: at most 16 single passes
+    assert not _single_pass([], small_n, 64)
+    assert not _single_pass([big], small_n, 64)
+    assert _single_pass([one], small_n, 64)  # one block of one: one single pass
+    assert not _single_pass([one, single], small_n, 64)  # then a block again
+    assert _single_pass([one, single, one, single], small_n, 64)  # two in a row: two
+    assert not _single_pass([one, single, one, single, single], small_n, 64)
+    assert not _single_pass([one, single, big], small_n, 64)  # a block grew: blocks
+    assert not _single_pass([(64, 1, "cap")], small_n, 64)  # capped by the caller
+    # After many blocks of one, the run of single passes is capped by the cost ratio.
+    history = [one] * 10 + [single] * ((64 + _DRIVER_ROWS) // small_n)
+    assert not _single_pass(history, small_n, 64)
+    # Large n: a pass costs more than the candidates' work, never a single pass.
+    assert not _single_pass([one] * 10, 10**6, 4096)
+
+
+def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names):
+    """With X held on the workers, each pass also fetches its chunks' largest residuals'
+    rows, and the driver takes the candidates' rows from them: no task after the choice,
+    and the same fit."""
+    from dkicf._backends import DaskBackend
+
+    X = rng.normal(size=(6000, 5))
+    kw = {"gamma": 0.3, "max_rank": 150, "tol": 0}
+    ref = incomplete_cholesky(X, **kw)
+    served = []
+    real = DaskBackend._rows_from
+
+    def spy(self, *args):
+        found = real(self, *args)
+        served.append(found is not None)
+        return found
+
+    monkeypatch.setattr(DaskBackend, "_rows_from", spy)
+    res = incomplete_cholesky(da.from_array(X, chunks=(1500, 5)), client=client, **kw)
+    np.testing.assert_array_equal(res.pivots, ref.pivots)
+    np.testing.assert_allclose(res.P.compute(), ref.P, rtol=0, atol=1e-10)
+    tried = [why for _, _, why in res.info["blocks"] if why != "single"]
+    assert len(tried) >= 3
+    assert len(tried) <= map_names.count("top-rows") <= map_names.count("update")
+    # The first block's candidate rows come from tasks, every later block's from a pass.
+    assert served == [True] * (len(tried) - 1)

@@ -1,0 +1,598 @@
+"""Scale-out: ICF and k-means against the number of dask workers, and where a pass goes.
+
+Setup (as in the scale-out issue): 10 Gaussian blobs in 16-D, float64, the
+Gaussian kernel at gamma 0.02, the default block-greedy rule, rank ``s``.
+For every worker count W (1, 2, 4, ... up to the cores present, or
+``--workers``) a LocalCluster of W worker processes x 1 thread is started,
+X is generated on the workers in ``--chunks-per-worker`` row chunks per
+worker and persisted there, then timed:
+
+* ICF (:func:`dkicf.incomplete_cholesky`) and k-means (:func:`dkicf.kmeans`,
+  10 clusters) on the cluster: seconds, speed-up over W = 1, efficiency;
+* the numpy backend on the same rows (one process, a thread per core);
+* scikit-learn's ``Nystroem(n_components=s)`` + ``MiniBatchKMeans``
+  (k-means++, one initialisation) on the same rows: the one-process
+  reference;
+* identical pivots for numpy and every W (asserted).
+
+For each dask run the factorization's passes are split, from the
+scheduler's task stream (start and stop of every task on every worker,
+and every transfer between workers) and from timestamps the driver
+takes around its own steps, into
+
+(a) all workers computing an update;
+(b) some workers idle while others finish (stragglers);
+(c) the driver: sending the pass (submit until the first task starts),
+    collecting its summaries (last task's end until the driver has them),
+    candidate selection and the small Cholesky, fetching the candidates'
+    rows, other bookkeeping;
+(d) transfers of data between workers (X, P, states: there should be none).
+
+plus the set-up before the first pass (copying X into the fit's own
+memory, the kernel diagonal, the first summary) and the end (the result
+arrays).  Transfers during the factorization are counted by key (X, state,
+other) and their bytes printed; X or P moving between workers is a bug.
+
+The breakdown predicts other worker counts: the compute (a + b, in worker
+seconds) divides by W, the driver's share (c) does not, so
+``T(W) ~ setup + sum(c) + compute(1) / W`` (printed for 16 workers).
+
+``--targets`` runs the 2-core targets of the issue instead: ICF with 2
+workers against 1 at n = 1e6, s = 150; the idle share of a pass at
+n = 2e6; the driver's time per pass at n = 5e5 against 4e6.
+
+``--near-identity`` times block greedy against greedy on scikit-learn's
+digits at gamma 2**-6 (blocks of one pivot: block greedy falls back to
+greedy passes); ``--targets`` prints it too.
+
+``--quick`` is the many-core plan: n = 2e6 with W = 1, 2, 4, 8, 16 (those
+the machine has), then n = 8e6 with the largest W, each with numpy and
+scikit-learn; about 5 minutes on 16 cores.  With ``$OUT`` set, everything
+printed is also written to ``$OUT/scaling.txt``.
+
+Run: python benchmarks/bench_scaling.py [--n 1000000] [--s 150] [--workers 1 2]
+     python benchmarks/bench_scaling.py --targets
+     python benchmarks/bench_scaling.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+_OUT_LINES: list[str] = []
+
+
+def say(*parts) -> None:
+    line = " ".join(str(p) for p in parts)
+    print(line, flush=True)
+    _OUT_LINES.append(line)
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+# ------------------------------------------------------------------ data
+
+
+def _blob_rows(start: int, stop: int, n: int, d: int) -> np.ndarray:
+    from dkicf.synthetic import generate_rows
+
+    return generate_rows("blobs", start, stop, n_total=n, random_state=0, n_features=d,
+                         centers=10)[0]
+
+
+def numpy_data(n: int, d: int):
+    from dkicf.synthetic import generate_rows
+
+    return generate_rows("blobs", 0, n, n_total=n, random_state=0, n_features=d, centers=10)
+
+
+def dask_data(client, n: int, d: int, chunks: int):
+    """X generated on the workers, ``chunks`` row chunks, persisted (one read)."""
+    import dask
+    import dask.array as da
+    from distributed import wait
+
+    edges = np.linspace(0, n, chunks + 1).round().astype(np.int64)
+    parts = [
+        da.from_delayed(dask.delayed(_blob_rows)(int(a), int(b), n, d), shape=(int(b - a), d),
+                        dtype=np.float64)
+        for a, b in zip(edges[:-1], edges[1:])
+    ]
+    X = client.persist(da.concatenate(parts, axis=0))
+    wait(X)
+    return X
+
+
+# ------------------------------------------------------------------ instrumentation
+
+
+class DriverClock:
+    """Timestamps (``time.time()``, the workers' clock on one machine) of the driver's steps."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float, float]] = []
+        self._undo: list = []
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        orig = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.time()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.events.append((label, t0, time.time()))
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, orig))
+
+    def __enter__(self):
+        from dkicf import _backends, pivoting
+
+        self._wrap(pivoting, "greedy_block", "select")
+        self._wrap(_backends.DaskBackend, "rows", "rows")
+        self._wrap(_backends.DaskBackend, "map_chunks", "map")
+        self._wrap(_backends.DaskBackend, "apply", "apply")
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, orig in reversed(self._undo):
+            setattr(owner, name, orig)
+        self._undo.clear()
+
+
+_KEY = re.compile(r"^icf-(?P<name>.+)-(?P<token>[0-9a-f]{16})-(?P<step>\d+)(?:-(?P<chunk>\d+))?$")
+
+
+def _parse_key(key) -> dict | None:
+    if isinstance(key, tuple):
+        return None
+    m = _KEY.match(str(key))
+    return None if m is None else m.groupdict()
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _all_busy(per_worker: dict, lo: float, hi: float, n_workers: int) -> float:
+    """Seconds in ``[lo, hi]`` during which every one of ``n_workers`` workers computes."""
+    if len(per_worker) < n_workers:
+        return 0.0
+    edges = []
+    for ivs in per_worker.values():
+        # Merge each worker's intervals first: one thread, so they do not overlap.
+        merged = []
+        for a, b in sorted(ivs):
+            a, b = max(a, lo), min(b, hi)
+            if b <= a:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            edges += [(a, 1), (b, -1)]
+    edges.sort()
+    busy, count, last = 0.0, 0, None
+    for t, step in edges:
+        if count == n_workers and last is not None:
+            busy += t - last
+        count += step
+        last = t
+    return busy
+
+
+def _incoming_log(dask_worker=None) -> list:
+    """On a worker: its log of data fetched from other workers (start, stop, keys and bytes)."""
+    return [{"start": e["start"], "stop": e["stop"],
+             "keys": {str(k): int(v) for k, v in e["keys"].items()}}
+            for e in dask_worker.transfer_incoming_log]
+
+
+def breakdown(tasks: list[dict], driver: list, n_workers: int, t_start: float,
+              t_end: float, incoming: list, x_name: str) -> dict:
+    """Per-pass split of the factorization's wall time (see the module docstring).
+
+    ``incoming``: the workers' transfer logs (:func:`_incoming_log`), of
+    which the entries of the factorization are kept; ``x_name``: the name
+    of X's chunks.
+    """
+    computes: dict[int, list] = {}
+    transfers = {"X": [0, 0.0], "state": [0, 0.0], "other": [0, 0.0]}
+    transfer_time = []
+    for entry in incoming:
+        if entry["start"] < t_start or entry["start"] > t_end:
+            continue
+        transfer_time.append((entry["start"], entry["stop"]))
+        for key, nbytes in entry["keys"].items():
+            info = _parse_key(key)
+            kind = "other"
+            if x_name in key or (info is not None and info["name"] == "x"):
+                kind = "X"
+            elif info is not None and info["name"] in ("update", "init", "rebase",
+                                                        "restore", "reload"):
+                kind = "state"
+            transfers[kind][0] += 1
+            transfers[kind][1] += nbytes
+    setup_work = 0.0
+    for rec in tasks:
+        info = _parse_key(rec.get("key"))
+        for ss in rec.get("startstops", ()):
+            if ss["action"] != "compute" or info is None:
+                continue
+            if info["name"] == "update":
+                computes.setdefault(int(info["step"]), []).append(
+                    (rec["worker"], ss["start"], ss["stop"]))
+            elif info["name"] in ("x", "init"):
+                setup_work += ss["stop"] - ss["start"]
+    applies = sorted((a, b) for label, a, b in driver if label == "apply")
+    passes = []
+    for k, (a0, a1) in enumerate(applies):
+        step = k + 1
+        nxt = applies[k + 1][0] if k + 1 < len(applies) else t_end
+        ivs = computes.get(step, [])
+        if not ivs:
+            continue
+        first = min(s for _, s, _ in ivs)
+        last = max(e for _, _, e in ivs)
+        per_worker: dict = {}
+        for w, s, e in ivs:
+            per_worker.setdefault(w, []).append((s, e))
+        busy = _all_busy(per_worker, first, last, n_workers)
+        work = sum(e - s for _, s, e in ivs)
+
+        def within(label, lo=a1, hi=nxt):
+            return sum(max(0.0, min(e, hi) - max(s, lo)) for lab, s, e in driver
+                       if lab == label)
+
+        select, rows, cmap = within("select"), within("rows"), within("map")
+        wall = nxt - a0
+        send = max(0.0, first - a0)
+        collect = max(0.0, a1 - last)
+        other = max(0.0, (nxt - a1) - select - rows - cmap)
+        xfer = _union_length([(max(s, a0), min(e, nxt)) for s, e in transfer_time
+                              if e > a0 and s < nxt])
+        passes.append({
+            "step": step, "wall": wall, "all_busy": busy, "stragglers": (last - first) - busy,
+            "send": send, "collect": collect, "select": select, "rows": rows + cmap,
+            "other": other, "transfer": xfer, "work": work,
+        })
+    setup = (applies[0][0] - t_start) if applies else t_end - t_start
+    end = (t_end - applies[-1][1]) if applies else 0.0
+    return {"passes": passes, "setup": setup, "end": end, "transfers": transfers,
+            "setup_work": setup_work}
+
+
+def print_breakdown(bd: dict, label: str) -> dict:
+    ps = bd["passes"]
+    say(f"  pass breakdown, {label} (seconds; (c) = send + collect + select + rows + other)")
+    say(f"  {'pass':>4} {'wall':>7} {'(a)busy':>8} {'(b)idle':>8} {'send':>7} {'collect':>8}"
+        f" {'select':>7} {'rows':>7} {'other':>7} {'(d)xfer':>8}")
+    for p in ps:
+        say(f"  {p['step']:>4} {p['wall']:7.3f} {p['all_busy']:8.3f} {p['stragglers']:8.3f} "
+            f"{p['send']:7.3f} {p['collect']:8.3f} {p['select']:7.3f} {p['rows']:7.3f} "
+            f"{p['other']:7.3f} {p['transfer']:8.3f}")
+    tot = {k: sum(p[k] for p in ps) for k in ("wall", "all_busy", "stragglers", "send",
+                                               "collect", "select", "rows", "other",
+                                               "transfer", "work")}
+    driver = tot["send"] + tot["collect"] + tot["select"] + tot["rows"] + tot["other"]
+    wall = tot["wall"] or 1.0
+    say(f"  total {tot['wall']:.3f} s in {len(ps)} passes: (a) all busy {tot['all_busy']:.3f} "
+        f"({tot['all_busy'] / wall:.0%}), (b) stragglers {tot['stragglers']:.3f} "
+        f"({tot['stragglers'] / wall:.0%}), (c) driver {driver:.3f} ({driver / wall:.0%}: "
+        f"send {tot['send']:.3f}, collect {tot['collect']:.3f}, select {tot['select']:.3f}, "
+        f"rows {tot['rows']:.3f}, other {tot['other']:.3f}), (d) transfers "
+        f"{tot['transfer']:.3f}")
+    say(f"  set-up before the first pass {bd['setup']:.3f} s (worker-seconds of copying X and "
+        f"the kernel diagonal {bd['setup_work']:.3f}), after the last {bd['end']:.3f} s; "
+        f"worker-seconds of update tasks {tot['work']:.3f}")
+    tr = bd["transfers"]
+    say("  transfers between workers during the factorization: "
+        + ", ".join(f"{k} {c} ({b / 2**20:.1f} MiB)" for k, (c, b) in tr.items()))
+    return {**tot, "driver": driver, "n_passes": len(ps), "setup": bd["setup"],
+            "setup_work": bd["setup_work"], "end": bd["end"],
+            "moved": tr["X"][0] + tr["state"][0]}
+
+
+# ------------------------------------------------------------------ runs
+
+
+def run_numpy(X, s: int, gamma: float, k: int, with_kmeans: bool) -> dict:
+    from dkicf import incomplete_cholesky, kmeans
+
+    t0 = time.perf_counter()
+    res = incomplete_cholesky(X, gamma=gamma, max_rank=s, tol=0.0)
+    t_icf = time.perf_counter() - t0
+    out = {"icf": t_icf, "pivots": res.pivots, "passes": res.n_passes}
+    if with_kmeans:
+        t0 = time.perf_counter()
+        km = kmeans(res.P, k, random_state=0)
+        out["kmeans"] = time.perf_counter() - t0
+        out["labels"] = np.asarray(km.labels)
+    return out
+
+
+def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_worker: int,
+             with_kmeans: bool, want_breakdown: bool) -> dict:
+    from distributed import get_task_stream
+
+    from dkicf import incomplete_cholesky, kmeans, local_cluster
+
+    client = local_cluster(W, 1)
+    try:
+        X = dask_data(client, n, d, W * chunks_per_worker)
+        clock = DriverClock()
+        with contextlib.ExitStack() as stack:
+            ts = stack.enter_context(get_task_stream(client)) if want_breakdown else None
+            if want_breakdown:
+                stack.enter_context(clock)
+            t_start = time.time()
+            t0 = time.perf_counter()
+            res = incomplete_cholesky(X, gamma=gamma, max_rank=s, tol=0.0, client=client)
+            t_icf = time.perf_counter() - t0
+            t_end = time.time()
+        out = {"icf": t_icf, "pivots": res.pivots, "passes": res.n_passes}
+        if want_breakdown:
+            incoming = [e for log in client.run(_incoming_log).values() for e in log]
+            out["breakdown"] = breakdown(ts.data, clock.events, W, t_start, t_end, incoming,
+                                         X.name)
+        if with_kmeans:
+            t0 = time.perf_counter()
+            km = kmeans(res.P, k, random_state=0, client=client)
+            out["kmeans"] = time.perf_counter() - t0
+            out["labels"] = np.asarray(km.labels.compute())
+        del res, X
+        return out
+    finally:
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+
+
+def run_sklearn(X, s: int, gamma: float, k: int) -> dict:
+    from sklearn.cluster import MiniBatchKMeans
+    from sklearn.kernel_approximation import Nystroem
+
+    t0 = time.perf_counter()
+    F = Nystroem(gamma=gamma, n_components=s, random_state=0).fit_transform(X)
+    t_ny = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    km = MiniBatchKMeans(n_clusters=k, random_state=0, n_init=1).fit(F)
+    return {"icf": t_ny, "kmeans": time.perf_counter() - t0, "labels": km.labels_}
+
+
+def ari(labels, y) -> float:
+    from sklearn.metrics import adjusted_rand_score
+
+    return float(adjusted_rand_score(y, labels))
+
+
+def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per_worker: int,
+            with_kmeans: bool, with_numpy: bool, with_sklearn: bool, want_breakdown: bool,
+            k: int = 10) -> dict:
+    say(f"\n== n = {n:,}, d = {d}, s = {s}, gamma = {gamma}, k = {k}; "
+        f"{cores()} cores; dask: W workers x 1 thread, {chunks_per_worker} chunk(s) per worker")
+    X, y = numpy_data(n, d) if (with_numpy or with_sklearn or with_kmeans) else (None, None)
+    rows = {}
+    if with_numpy:
+        rows["numpy"] = run_numpy(X, s, gamma, k, with_kmeans)
+    totals = {}
+    for W in workers:
+        rows[f"W={W}"] = r = run_dask(n, d, W, s, gamma, k, chunks_per_worker, with_kmeans,
+                                      want_breakdown)
+        if want_breakdown:
+            totals[W] = print_breakdown(r["breakdown"], f"W = {W}")
+    ref = rows.get("numpy", next(iter(rows.values())))["pivots"]
+    same = {name: bool(np.array_equal(r["pivots"], ref)) for name, r in rows.items()}
+    if with_sklearn:
+        rows["sklearn Nystroem+MiniBatchKMeans"] = run_sklearn(X, s, gamma, k)
+    base = rows.get(f"W={workers[0]}", {}).get("icf")
+    say(f"  {'run':<32} {'ICF':>8} {'k-means':>8} {'total':>8} {'ICF x':>6} {'eff':>5} "
+        f"{'passes':>6} {'ARI':>5} pivots")
+    for name, r in rows.items():
+        km = r.get("kmeans", float("nan"))
+        W = int(name[2:]) if name.startswith("W=") else None
+        speed = base / r["icf"] if base and W else float("nan")
+        eff = speed * workers[0] / W if W else float("nan")
+        a = ari(r["labels"], y) if "labels" in r else float("nan")
+        piv = "" if name not in same else ("same" if same[name] else "DIFFERENT")
+        say(f"  {name:<32} {r['icf']:8.2f} {km:8.2f} {r['icf'] + km:8.2f} {speed:6.2f} "
+            f"{eff:5.2f} {r.get('passes', ''):>6} {a:5.2f} {piv}")
+    assert all(same.values()), f"pivots differ between runs: {same}"
+    say(f"  pivots identical across {', '.join(same)}: yes")
+    if len(workers) >= 2:
+        ws = np.array(workers, dtype=float)
+        ts = np.array([rows[f"W={w}"]["icf"] for w in workers])
+        A = np.stack([np.ones_like(ws), 1.0 / ws], axis=1)
+        (a_fit, b_fit), *_ = np.linalg.lstsq(A, ts, rcond=None)
+        say(f"  Amdahl fit of ICF times, T(W) = a + b / W: a = {a_fit:.2f} s (serial), "
+            f"b = {b_fit:.2f} s; bound on speed-up (a + b) / a = "
+            f"{(a_fit + b_fit) / max(a_fit, 1e-9):.1f}")
+    if totals:
+        W0 = workers[0]
+        t = totals[W0]
+        # The set-up's tasks divide between the workers; what remains of it does not.
+        work = t["work"] + t["setup_work"]
+        serial = t["setup"] - t["setup_work"] / W0 + t["end"] + t["driver"] + t["transfer"]
+        measured = rows[f"W={W0}"]["icf"]
+        for target in sorted({16, cores()}):
+            pred = serial + work / target
+            say(f"  from the W = {W0} breakdown: T({target}) ~ serial {serial:.2f} s "
+                f"(driver, transfers, set-up and end less their tasks) + worker-seconds "
+                f"{work:.2f} / {target} = {pred:.2f} s, a speed-up of {measured / pred:.1f} "
+                f"over the {measured:.2f} s measured at W = {W0}")
+    return {"rows": rows, "totals": totals}
+
+
+def near_identity(repeats: int = 7) -> None:
+    """Block greedy against greedy where blocks stay at one pivot (scikit-learn's digits at
+    gamma 2**-6, 300 pivots): seconds (best of ``repeats``), passes, identical pivots."""
+    from sklearn.datasets import load_digits
+
+    from dkicf import incomplete_cholesky
+
+    X = load_digits().data.astype(np.float64)
+    say(f"\n== near-identity kernel: digits ({X.shape[0]} x {X.shape[1]}), gamma 2**-6, "
+        f"300 pivots, numpy backend, best of {repeats}")
+    best, runs = {}, {}
+    import warnings
+
+    for _ in range(repeats):
+        for rule in ("greedy", "block-greedy"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the kernel is near the identity: it warns
+                t0 = time.perf_counter()
+                runs[rule] = incomplete_cholesky(X, gamma=2.0**-6, max_rank=300, tol=0.0,
+                                                 pivoting=rule)
+                best[rule] = min(best.get(rule, math.inf), time.perf_counter() - t0)
+    same = np.array_equal(runs["greedy"].pivots, runs["block-greedy"].pivots)
+    blocks = runs["block-greedy"].info["blocks"]
+    singles = sum(1 for _, _, why in blocks if why == "single")
+    for rule in ("greedy", "block-greedy"):
+        say(f"  {rule:<13} {best[rule] * 1e3:8.1f} ms  {runs[rule].n_passes:4d} passes")
+    say(f"  block greedy / greedy: {best['block-greedy'] / best['greedy']:.2f}x; "
+        f"{singles} of {len(blocks)} passes fell back to one pivot; pivots identical: {same}")
+    assert same, "block greedy's pivots differ from greedy's"
+
+
+def targets(s: int, d: int, gamma: float, chunks_per_worker: int) -> None:
+    """The issue's 2-core targets."""
+    say("\n#### 2-core targets of the scale-out issue")
+    r = scaling(1_000_000, s, d, gamma, [1, 2], chunks_per_worker, False, False, False, True)
+    one, two = r["rows"]["W=1"]["icf"], r["rows"]["W=2"]["icf"]
+    say(f"TARGET ICF speed-up 2 workers vs 1 at n = 1e6, s = {s}: {one / two:.2f}x "
+        f"(target >= 1.8x)")
+    r = scaling(2_000_000, s, d, gamma, [2], chunks_per_worker, False, False, False, True)
+    t = r["totals"][2]
+    say(f"TARGET idle (stragglers) share of a pass at n = 2e6, W = 2: "
+        f"{t['stragglers'] / t['wall']:.1%} (target <= 10%); all passes' walls {t['wall']:.2f} s")
+    per = {}
+    for n in (500_000, 4_000_000):
+        r = scaling(n, s, d, gamma, [2], chunks_per_worker, False, False, False, True)
+        t = r["totals"][2]
+        per[n] = t["driver"] / max(t["n_passes"], 1)
+    say(f"TARGET driver time per pass, W = 2: n = 5e5 {per[500_000] * 1e3:.1f} ms, n = 4e6 "
+        f"{per[4_000_000] * 1e3:.1f} ms, ratio {per[4_000_000] / per[500_000]:.2f} "
+        f"(target within 1.2x)")
+
+
+def prefault(gib: float) -> None:
+    """Touch ``gib`` GiB of fresh memory once and free it.
+
+    On a virtual machine the first touch of memory the guest has never
+    used costs a fault in the hypervisor (here up to seconds per GiB),
+    which would be charged to whichever run comes first; after this, every
+    run allocates memory the guest already has.
+    """
+    if gib <= 0:
+        return
+    t0 = time.perf_counter()
+    step = 1 << 28
+    bufs = []
+    for _ in range(int(gib * 2**30) // step):
+        b = np.empty(step // 8)
+        b[:] = 0.0
+        bufs.append(b)
+    del bufs
+    say(f"  pre-faulted {gib:.1f} GiB of memory in {time.perf_counter() - t0:.1f} s")
+
+
+def _version() -> str:
+    import subprocess
+
+    import dkicf
+
+    here = os.path.dirname(os.path.abspath(dkicf.__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "log", "-1", "--format=%h %s"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return f"dkicf from {here} {rev[:70]}"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=float, nargs="+", default=[1e6], help="rows (several allowed)")
+    p.add_argument("--s", type=int, default=150, help="rank (max_rank)")
+    p.add_argument("--d", type=int, default=16)
+    p.add_argument("--gamma", type=float, default=0.02)
+    p.add_argument("--workers", type=int, nargs="+", default=None,
+                   help="worker counts (default 1, 2, 4, ... up to the cores)")
+    p.add_argument("--chunks-per-worker", type=int, default=4)
+    p.add_argument("--no-kmeans", action="store_true")
+    p.add_argument("--no-numpy", action="store_true")
+    p.add_argument("--no-sklearn", action="store_true")
+    p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--targets", action="store_true", help="the issue's 2-core targets")
+    p.add_argument("--near-identity", action="store_true",
+                   help="only block greedy against greedy on a near-identity kernel")
+    p.add_argument("--quick", action="store_true",
+                   help="n = 2e6 with W = 1, 2, 4, 8, 16, then n = 8e6 with the largest W")
+    p.add_argument("--prefault-gb", type=float, default=None,
+                   help="GiB of memory to touch once first (default: about the largest "
+                        "run's P and X, at most half the memory)")
+    args = p.parse_args(argv)
+    C = cores()
+    say(f"bench_scaling: {C} cores, python {sys.version.split()[0]}, {_version()}")
+    if args.near_identity:
+        args.prefault_gb = 0.0
+    if args.prefault_gb is None:
+        import psutil
+
+        largest = 8e6 if args.quick else (4e6 if args.targets else max(args.n))
+        need = 1.5 * 8 * largest * (args.s + args.d) / 2**30
+        args.prefault_gb = min(need, 0.5 * psutil.virtual_memory().available / 2**30)
+    prefault(args.prefault_gb)
+    default_w = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= C]
+    t_run = time.perf_counter()
+    try:
+        if args.near_identity:
+            near_identity()
+        elif args.targets:
+            targets(args.s, args.d, args.gamma, args.chunks_per_worker)
+            near_identity()
+        elif args.quick:
+            ws = args.workers or default_w
+            scaling(2_000_000, args.s, args.d, args.gamma, ws, args.chunks_per_worker,
+                    not args.no_kmeans, not args.no_numpy, not args.no_sklearn,
+                    not args.no_breakdown)
+            scaling(8_000_000, args.s, args.d, args.gamma, [max(ws)], args.chunks_per_worker,
+                    not args.no_kmeans, not args.no_numpy, not args.no_sklearn,
+                    not args.no_breakdown)
+        else:
+            for n in args.n:
+                scaling(int(n), args.s, args.d, args.gamma, args.workers or default_w,
+                        args.chunks_per_worker, not args.no_kmeans, not args.no_numpy,
+                        not args.no_sklearn, not args.no_breakdown)
+    finally:
+        say(f"\nbench_scaling: {time.perf_counter() - t_run:.0f} s in all")
+        out = os.environ.get("OUT")
+        if out:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "scaling.txt"), "a") as fh:
+                fh.write("\n".join(_OUT_LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
