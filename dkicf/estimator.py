@@ -64,8 +64,9 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         mini-batch alone (fastest, stops short of the optimum), or Lloyd alone
         (see :func:`dkicf.kmeans.kmeans`).
     init : {"k-means||", "k-means++"}, default="k-means||"
-        Initial centres: k-means|| over all rows of P (6 passes over P per
-        restart; finds small clusters), or k-means++ on a sample of rows.
+        Initial centres: k-means|| over all rows of P (6 passes over P that
+        the restarts share; finds small clusters), or k-means++ on a sample
+        of rows.
     batch_size : int, default=1024
         Rows per mini-batch step.
     n_init : int, default=5

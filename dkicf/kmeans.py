@@ -267,33 +267,47 @@ def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int, check: bool = 
     }
 
 
-def _chunk_nearest_update(p, offset: int, state, cands: np.ndarray, first: int,
+def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
                           check: bool = True):
-    """k-means||: distance of each row to its nearest candidate, updated with new candidates.
+    """k-means|| of several runs at once: each row's nearest candidate, updated with new ones.
 
-    ``state`` is None or the chunk's ``(d2, label)`` for the candidates so
-    far; ``cands`` are the new ones, numbered from ``first``.  A row moves to
-    a new candidate only if it is strictly nearer (ties to the lowest
-    number, as an argmin over all candidates).  Returns the new state and
-    its sum of squared distances.
+    ``states`` is None or the chunk's ``(d2, label)`` per run for its
+    candidates so far; ``cands[r]`` are run ``r``'s new candidates (possibly
+    none), numbered from ``firsts[r]``.  The chunk is read once for all runs
+    (one matrix product against all new candidates).  A row moves to a new
+    candidate only if strictly nearer (ties to the lowest number, as an
+    argmin over all of them).  Returns the new states and each run's sum of
+    squared distances.
     """
     n = p.shape[0]
-    if state is None:
-        d2, label = np.full(n, np.inf), np.zeros(n, dtype=np.int64)
-    else:
-        d2, label = state[0].copy(), state[1].copy()
-    c_sq = np.einsum("ij,ij->i", cands, cands)
-    step = max(256, _BLOCK_ELEMENTS // cands.shape[0])
+    if states is None:
+        states = [(np.full(n, np.inf), np.zeros(n, dtype=np.int64)) for _ in cands]
+    new = [(d2.copy(), label.copy()) for d2, label in states]
+    c_sq = [np.einsum("ij,ij->i", c, c) for c in cands]
+    width = max(1, sum(c.shape[0] for c in cands))
+    step = max(256, _BLOCK_ELEMENTS // width)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         x = np.asarray(p[lo:hi], dtype=np.float64)
         if check:
             _check_finite(x, offset + lo)
-        near, dist = _nearest(x, cands, c_sq)
-        better = dist < d2[lo:hi]
-        d2[lo:hi][better] = dist[better]
-        label[lo:hi][better] = near[better] + first
-    return (d2, label), float(d2.sum())
+        x_sq = np.einsum("ij,ij->i", x, x)
+        rows = np.arange(hi - lo)
+        # One product per run, not one over all runs' candidates: a run's
+        # distances then do not depend on which runs share the pass.
+        for r, (d2, label) in enumerate(new):
+            if cands[r].shape[0] == 0:
+                continue
+            d = x @ cands[r].T
+            d *= -2.0
+            d += c_sq[r]
+            d += x_sq[:, None]
+            near = np.argmin(d, axis=1)
+            dist = np.maximum(d[rows, near], 0.0)
+            better = dist < d2[lo:hi]
+            d2[lo:hi][better] = dist[better]
+            label[lo:hi][better] = near[better] + firsts[r]
+    return new, [float(d2.sum()) for d2, _ in new]
 
 
 def _uniform(key: int, index: np.ndarray) -> np.ndarray:
@@ -310,20 +324,26 @@ def _uniform(key: int, index: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def _chunk_oversample(p, offset: int, state, phi: float, ell: float, key: int):
-    """k-means||: rows drawn independently with probability ``min(1, ell d2 / phi)``.
+def _chunk_oversample(p, offset: int, states, phis: list, ell: float, keys: list) -> list:
+    """k-means||: for each run, its rows drawn with probability ``min(1, ell d2 / phi)``.
 
-    Returns their global indices and the rows (float64).
+    A run whose ``phi`` is 0 (or below) draws none.  Returns the rows
+    (float64) of each run, in row order.
     """
-    d2 = state[0]
-    u = _uniform(key, np.arange(offset, offset + d2.shape[0], dtype=np.int64))
-    local = np.flatnonzero(u * phi < ell * d2)
-    return local + offset, np.asarray(p[local], dtype=np.float64).reshape(local.size, p.shape[1])
+    out = []
+    for (d2, _), phi, key in zip(states, phis, keys):
+        if not phi > 0:
+            out.append(np.empty((0, p.shape[1])))
+            continue
+        u = _uniform(key, np.arange(offset, offset + d2.shape[0], dtype=np.int64))
+        local = np.flatnonzero(u * phi < ell * d2)
+        out.append(np.asarray(p[local], dtype=np.float64).reshape(local.size, p.shape[1]))
+    return out
 
 
-def _state_counts(state, m: int) -> np.ndarray:
-    """k-means||: how many rows of the chunk each of the ``m`` candidates is nearest to."""
-    return np.bincount(state[1], minlength=m)
+def _state_counts(states, sizes: list) -> list:
+    """k-means||: per run, how many rows of the chunk each candidate is nearest to."""
+    return [np.bincount(label, minlength=m) for (_, label), m in zip(states, sizes)]
 
 
 def _chunk_distinct(p, offset: int, k: int, direction: np.ndarray,
@@ -408,18 +428,18 @@ class _NumpyBackend:
         parts = self._map(_chunk_assign, centers, False)
         return np.concatenate([labels for labels, _ in parts]), [st for _, st in parts]
 
-    def nearest_update(self, state, cands: np.ndarray, first: int):
+    def nearest_update(self, state, cands: list, firsts: list):
         per_block = [None] * (len(self.offsets) - 1) if state is None else state
-        parts = self._map(_chunk_nearest_update, cands, first, False, per_block=per_block)
+        parts = self._map(_chunk_nearest_update, cands, firsts, False, per_block=per_block)
         return [st for st, _ in parts], [phi for _, phi in parts]
 
-    def oversample(self, state, phi: float, ell: float, key: int):
-        parts = self._map(_chunk_oversample, phi, ell, key, per_block=state)
-        return (np.concatenate([i for i, _ in parts]),
-                np.concatenate([r for _, r in parts]).reshape(-1, self.s))
+    def oversample(self, state, phis: list, ell: float, keys: list) -> list:
+        parts = self._map(_chunk_oversample, phis, ell, keys, per_block=state)
+        return [np.concatenate([part[r] for part in parts]) for r in range(len(phis))]
 
-    def candidate_counts(self, state, m: int) -> np.ndarray:
-        return np.sum([_state_counts(st, m) for st in state], axis=0)
+    def candidate_counts(self, state, sizes: list) -> list:
+        parts = [_state_counts(st, sizes) for st in state]
+        return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
 
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
         return self._map(_chunk_distinct, k, direction, False)
@@ -512,11 +532,11 @@ class _DaskBackend:
         )
         return labels, stats
 
-    def nearest_update(self, state, cands: np.ndarray, first: int):
+    def nearest_update(self, state, cands: list, firsts: list):
         """k-means|| pass: new per-chunk states (futures, kept on the workers) and their sums."""
         both = [
             self._submit("kmpar", _chunk_nearest_update, j, int(off),
-                         None if state is None else state[j], cands, first)
+                         None if state is None else state[j], cands, firsts)
             for j, off in enumerate(self.offsets[:-1])
         ]
         new = [self.client.submit(operator.getitem, f, 0, key=f"{f.key}-state") for f in both]
@@ -525,24 +545,24 @@ class _DaskBackend:
         )
         return new, phi
 
-    def oversample(self, state, phi: float, ell: float, key: int):
+    def oversample(self, state, phis: list, ell: float, keys: list) -> list:
         futs = [
-            self._submit("kmpar-draw", _chunk_oversample, j, int(off), state[j], phi, ell, key)
+            self._submit("kmpar-draw", _chunk_oversample, j, int(off), state[j], phis, ell, keys)
             for j, off in enumerate(self.offsets[:-1])
         ]
         parts = self.client.gather(futs)
-        return (np.concatenate([i for i, _ in parts]),
-                np.concatenate([r for _, r in parts]).reshape(-1, self.s))
+        return [np.concatenate([part[r] for part in parts]) for r in range(len(phis))]
+
+    def candidate_counts(self, state, sizes: list) -> list:
+        futs = [self.client.submit(_state_counts, st, sizes, key=f"{st.key}-counts")
+                for st in state]
+        parts = self.client.gather(futs)
+        return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
 
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
         futs = [self._submit("distinct", _chunk_distinct, j, int(off), k, direction)
                 for j, off in enumerate(self.offsets[:-1])]
         return self.client.gather(futs)
-
-    def candidate_counts(self, state, m: int) -> np.ndarray:
-        futs = [self.client.submit(_state_counts, st, m, key=f"{st.key}-counts-{m}")
-                for st in state]
-        return np.sum(self.client.gather(futs), axis=0)
 
     def digests(self) -> tuple[tuple[int, ...], list[str]]:
         """Row chunks and one digest per chunk, hashed where the chunks live."""
@@ -640,13 +660,13 @@ class _Position:
         return where
 
 
-def _initial_centers(backend, cfg: _Config, rng: np.random.Generator, pos: _Position):
+def _initial_centers(backend, cfg: _Config, rng: np.random.Generator, candidates):
     """Initial centres, and the mean feature variance of a seeded sample of rows.
 
     The sample is drawn by global row index, so it is the same rows whatever
     the chunking; only those rows are fetched.  k-means++ runs on it;
-    k-means|| reclusters its weighted candidates and uses the sample only
-    for the variance, which scales ``tol``.
+    k-means|| reclusters the run's weighted ``candidates()`` and uses the
+    sample only for the variance, which scales ``tol``.
     """
     from sklearn.cluster import KMeans, kmeans_plusplus
 
@@ -660,9 +680,10 @@ def _initial_centers(backend, cfg: _Config, rng: np.random.Generator, pos: _Posi
     if cfg.init == "k-means++":
         centers, _ = kmeans_plusplus(sample, cfg.n_clusters, random_state=seed)
         return np.asarray(centers, dtype=np.float64), variance
-    cands, weights = _oversample(backend, cfg.n_clusters, rng, pos)
-    # One weighted k-means++ start and Lloyd on the candidates: the runs' own
-    # candidates and starts keep the runs diverse.
+    cands, weights = candidates()
+    # One weighted k-means++ start and Lloyd on the candidates: more starts
+    # there find the candidates' own optimum, which every run then shares
+    # (on the rings, the wrong basin); the runs' diversity matters more.
     centers, _ = kmeans_plusplus(cands, cfg.n_clusters, sample_weight=weights,
                                  random_state=seed)
     centers = KMeans(cfg.n_clusters, init=centers, n_init=1, random_state=seed).fit(
@@ -670,41 +691,50 @@ def _initial_centers(backend, cfg: _Config, rng: np.random.Generator, pos: _Posi
     return np.asarray(centers, dtype=np.float64), variance
 
 
-def _oversample(backend, k: int, rng: np.random.Generator, pos: _Position):
-    """The candidates of k-means|| (Bahmani et al. 2012) and their weights.
+def _oversample(backend, k: int, seeds: list, pos: _Position) -> list:
+    """The candidates of k-means|| (Bahmani et al. 2012) and their weights, for several runs.
 
-    One row drawn uniformly starts the candidates.  Each of
-    ``_PARALLEL_ROUNDS`` rounds draws every row independently with
-    probability ``min(1, l d2 / phi)`` (``l = 2k``, ``d2`` its squared
-    distance to the nearest candidate, ``phi`` their sum) and adds the drawn
-    rows; one pass over P per round updates the distances, which stay on the
-    workers.  A candidate's weight is the number of rows nearest to it.
-    Draws hash the global row index, so the candidates do not depend on the
-    chunking.
+    For each run, with a generator from its own seed (and another for the
+    rare fill-in below): one row drawn uniformly starts the
+    candidates; each of ``_PARALLEL_ROUNDS`` rounds draws every row
+    independently with probability ``min(1, l d2 / phi)`` (``l = 2k``,
+    ``d2`` its squared distance to the run's nearest candidate, ``phi``
+    their sum) and adds the drawn rows.  A candidate's weight is the number
+    of rows nearest to it.  The runs share the passes: one pass over P per
+    round updates every run's distances, which stay on the workers.  Draws
+    hash the global row index, so the candidates depend neither on the
+    chunking nor on which runs share the passes.
     """
     ell = float(_PARALLEL_OVERSAMPLING * k)
+    rngs = [np.random.default_rng(ss) for ss, _ in seeds]
     pos.at("init", 0)
-    cands = backend.rows(np.array([rng.integers(backend.n)]))
-    state, phis = backend.nearest_update(None, cands, 0)
+    first = backend.rows(np.array([rng.integers(backend.n) for rng in rngs]))
+    cands = [first[r:r + 1] for r in range(len(rngs))]
+    state, phis = backend.nearest_update(None, cands, [0] * len(rngs))
     for rnd in range(1, _PARALLEL_ROUNDS + 1):
-        phi = math.fsum(phis)
-        key = int(rng.integers(np.iinfo(np.int64).max))
-        if not phi > 0:
+        phi = [math.fsum(part[r] for part in phis) for r in range(len(rngs))]
+        keys = [int(rng.integers(np.iinfo(np.int64).max)) for rng in rngs]
+        live = [v if v > 0 else 0.0 for v in phi]
+        if not any(live):
             break
         pos.at("init", rnd)
-        _, rows = backend.oversample(state, phi, ell, key)
-        if rows.shape[0] == 0:
+        drawn = backend.oversample(state, live, ell, keys)
+        if not any(rows.shape[0] for rows in drawn):
             continue
-        state, phis = backend.nearest_update(state, rows, cands.shape[0])
-        cands = np.concatenate([cands, rows])
-    weights = backend.candidate_counts(state, cands.shape[0]).astype(np.float64)
-    if np.unique(cands, axis=0).shape[0] < k:
-        # Fewer distinct candidates than clusters (P's rows sit on a few
-        # points): rows drawn uniformly fill in, as k-means++ would.
-        extra = backend.rows(np.sort(rng.choice(backend.n, size=k, replace=False)))
-        cands = np.concatenate([cands, extra])
-        weights = np.concatenate([weights, np.ones(k)])
-    return cands, weights
+        state, phis = backend.nearest_update(state, drawn, [c.shape[0] for c in cands])
+        cands = [np.concatenate([c, rows]) for c, rows in zip(cands, drawn)]
+    counts = backend.candidate_counts(state, [c.shape[0] for c in cands])
+    out = []
+    for (_, fill), c, w in zip(seeds, cands, counts):
+        w = w.astype(np.float64)
+        if np.unique(c, axis=0).shape[0] < k:
+            # Fewer distinct candidates than clusters (P's rows sit on a few
+            # points): rows drawn uniformly fill in, as k-means++ would.
+            rng = np.random.default_rng(fill)
+            extra = backend.rows(np.sort(rng.choice(backend.n, size=k, replace=False)))
+            c, w = np.concatenate([c, extra]), np.concatenate([w, np.ones(k)])
+        out.append((c, w))
+    return out
 
 
 def _reseed_starved(centers, counts, x, d2, rng: np.random.Generator) -> None:
@@ -1130,13 +1160,26 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
     saved, info = None, {}
     if ckpt is not None:
         saved, info = ckpt.restore(runs)
+    pending = {}  # k-means|| candidates of the runs still to start, oversampled together
+
+    def candidates(restart):
+        if restart not in pending:
+            todo = range(restart, cfg.n_init)
+            found = _oversample(backend, cfg.n_clusters, [
+                tuple(np.random.SeedSequence(runs.seeds[r]).spawn(5)[3:]) for r in todo
+            ], pos)
+            pending.update(zip(todo, found))
+        return pending.pop(restart)
+
     for restart in range(runs.restart, cfg.n_init):
         runs.restart = pos.restart = restart
         init_ss, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
         if saved is None:
             pos.at("init")
-            centers, variance = _initial_centers(backend, cfg, np.random.default_rng(init_ss),
-                                                 pos)
+            centers, variance = _initial_centers(
+                backend, cfg, np.random.default_rng(init_ss),
+                lambda restart=restart: candidates(restart),
+            )
             tol_abs = cfg.tol * variance
         else:  # resumed in the middle of this run
             centers, tol_abs = saved["centers"], saved["tol_abs"]
@@ -1350,7 +1393,9 @@ default="k-means||"
         to the candidates so far; the candidates, weighted by the rows
         nearest to them, are clustered on the driver by weighted k-means++.
         It finds small clusters that a sample of P misses, at the cost of
-        6 passes over P per run.  With an array, there is a single run
+        6 passes over P, which all runs share (each run draws its own
+        candidates; the passes update every run's distances at once).  With
+        an array, there is a single run
         (``n_init`` is not used); the init sample is still drawn to scale
         ``tol``.
     batch_size : int, default=1024

@@ -77,10 +77,12 @@ def test_kmeans_parallel_finds_a_small_far_cluster_that_a_sample_can_miss():
     centres, y = rng.normal(0, 4, (10, 8)), rng.integers(0, 10, 20000)
     P = np.concatenate([centres[y] + rng.normal(0, 1, (y.size, 8)),
                         rng.normal(0, 1, (4, 8)) + 30])
-    for seed in range(8):
-        assert isolates_last(kmeans(P, 11, random_state=seed).labels, 4), seed
-    # The 3,072-row init sample of k-means++ holds none of the 4 rows in some runs.
-    assert not isolates_last(kmeans(P, 11, init="k-means++", random_state=7).labels, 4)
+    seeds = range(16)
+    parallel = sum(isolates_last(kmeans(P, 11, random_state=s).labels, 4) for s in seeds)
+    # The 3,072-row init sample of k-means++ often holds none of the 4 rows.
+    sample = sum(isolates_last(kmeans(P, 11, init="k-means++", random_state=s).labels, 4)
+                 for s in seeds)
+    assert parallel >= 14 and sample <= 11, (parallel, sample)
 
 
 def test_starved_centres_are_kept_for_the_lloyd_phase():
