@@ -20,6 +20,10 @@ from pathlib import Path
 logger = logging.getLogger("dkicf")
 
 
+# Factorization iterations between the commits of --checkpoint, unless --checkpoint-every.
+_CHECKPOINT_EVERY = 25
+
+
 class UsageError(Exception):
     """A problem with the command's input that the user can fix (exit status 2)."""
 
@@ -86,18 +90,23 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                         "--cluster slurm/pbs starts (default there: throwaway certificates)")
     g.add_argument("--tls-cert", help="certificate of this process (and of slurm/pbs workers)")
     g.add_argument("--tls-key", help="private key of --tls-cert")
-    g.add_argument("--jobs", type=int, default=1, help="batch jobs (slurm/pbs)")
-    g.add_argument("--cores", type=int, default=2, help="cores per job (slurm/pbs)")
-    g.add_argument("--memory", default="8GiB",
-                   help="memory per job (slurm/pbs; default: 8GiB)")
-    g.add_argument("--walltime", default="01:00:00", help="walltime per job (slurm/pbs)")
-    g.add_argument("--queue", default=None, help="queue or partition (slurm/pbs)")
-    g.add_argument("--processes", type=int, default=1, help="worker processes per job")
+    g.add_argument("--jobs", type=int, default=1, help="batch jobs (slurm/pbs; default: 1)")
+    site = " (slurm/pbs; default: the site's jobqueue.yaml, jobqueue.<kind>.{})"
+    g.add_argument("--cores", type=int, default=None, help="cores per job" + site.format("cores"))
+    g.add_argument("--memory", default=None,
+                   help="memory per job, e.g. 120GiB" + site.format("memory"))
+    g.add_argument("--walltime", default=None,
+                   help="walltime per job, e.g. 04:00:00" + site.format("walltime"))
+    g.add_argument("--queue", default=None,
+                   help="queue or partition" + site.format("queue"))
+    g.add_argument("--processes", type=int, default=None,
+                   help="worker processes per job (slurm/pbs; default: the site's "
+                        "jobqueue.<kind>.processes, else 1)")
     g.add_argument("--interface",
                    help="network interface, e.g. ib0, that the scheduler listens on and the "
                         "workers use (slurm/pbs; default: the scheduler listens on every "
                         "interface; either way it accepts mutual TLS only)")
-    g.add_argument("--account", help="account to charge (slurm/pbs)")
+    g.add_argument("--account", help="account to charge" + site.format("account"))
     g.add_argument("--shared-dir", metavar="DIR",
                    help="directory of yours that the compute nodes see, for the throwaway TLS "
                         "files, readable by you only (slurm/pbs without --tls-*; default: dask's "
@@ -289,8 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     p.add_argument("--checkpoint", metavar="URL",
                    help="Zarr group to checkpoint the factorization and k-means in (resumable)")
-    p.add_argument("--checkpoint-every", type=_positive_int, default=25,
-                   help="factorization iterations between checkpoints (default: 25; k-means "
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                   help="factorization iterations between checkpoints, with --checkpoint "
+                        "(default: 25; k-means "
                         "commits every 100 steps or 5 Lloyd iterations, and after each run)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint (refused if data or parameters differ)")
@@ -453,7 +463,7 @@ def _cluster(args):
         return
     options = {}
     _check_size("--memory-limit", args.memory_limit, auto=True)
-    if args.cluster in ("slurm", "pbs"):
+    if args.cluster in ("slurm", "pbs") and args.memory is not None:
         _check_size("--memory", args.memory, auto=False)
     if args.cluster == "local":
         options = dict(workers=args.workers, threads=args.threads,
@@ -471,12 +481,11 @@ def _cluster(args):
         # Batch jobs and pods may take hours to start: say what is being waited for.
         options = dict(worker_timeout=args.worker_timeout, progress=None if args.quiet else say)
     if args.cluster in ("slurm", "pbs"):
-        options.update(jobs=args.jobs, cores=args.cores, memory=args.memory,
-                       walltime=args.walltime, queue=args.queue, processes=args.processes)
-        if args.interface:
-            options["interface"] = args.interface
-        if args.account:
-            options["account"] = args.account
+        # Flags left out fall back to dask-jobqueue's configuration (the site's jobqueue.yaml).
+        given = dict(cores=args.cores, memory=args.memory, walltime=args.walltime,
+                     queue=args.queue, processes=args.processes, interface=args.interface,
+                     account=args.account)
+        options.update(jobs=args.jobs, **{k: v for k, v in given.items() if v is not None})
         # The scheduler listens on the site's network: mutual TLS, with throwaway
         # certificates unless --tls-* name some.
         options["security"] = True if security is None else security
@@ -565,6 +574,9 @@ def _cmd_fit(args) -> int:
 
     if args.resume and not args.checkpoint:
         raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise UsageError("--checkpoint-every sets how often --checkpoint commits: give "
+                         "--checkpoint URL too, or drop --checkpoint-every.")
     io.check_not_input(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint})
     io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
     with _cluster(args) as client:
@@ -573,7 +585,8 @@ def _cmd_fit(args) -> int:
                 args.store, args.out, params, client=client, overwrite=args.overwrite,
                 p_storage=args.p_storage, persist=args.persist,
                 storage_options=storage_options, progress=progress,
-                checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                checkpoint=args.checkpoint,
+                checkpoint_every=args.checkpoint_every or _CHECKPOINT_EVERY,
                 save_p=args.save_p,
                 resume=args.resume,
             )
@@ -701,6 +714,12 @@ _CLI_SPELLING = (
     ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
     ("even with overwrite=True", "even with --overwrite"),
     ("convert the file first with dkicf.io.convert", "convert the file first with dkicf convert"),
+    ("needs cores= (per job), e.g. cores=8, memory='32GiB',",
+     "needs --cores (per job), e.g. --cores 8 --memory 32GiB,"),
+    ("needs memory= (per job), e.g. cores=8, memory='32GiB',",
+     "needs --memory (per job), e.g. --cores 8 --memory 32GiB,"),
+    ("kind='slurm' needs --", "--cluster slurm needs --"),
+    ("kind='pbs' needs --", "--cluster pbs needs --"),
 )
 
 

@@ -328,7 +328,9 @@ def _plan_by_task(chunk_rows, d, itemsize, s, threads, worker_memory, usable, pe
 
 
 def _worker_resources(client) -> tuple[int | None, int, int]:
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    from ._cluster import all_workers
+
+    workers = all_workers(client)
     if not workers:
         raise RuntimeError(
             "the dask cluster has no workers; start some or wait for them before fitting."

@@ -398,3 +398,14 @@ def test_the_python_pipeline_refuses_an_output_that_is_an_input(tmp_path):
         predict_store(str(tmp_path / "in.zarr"), str(tmp_path / "in.zarr" / "X"), str(tmp_path),
                       client=None, overwrite=True)
     assert _tree(tmp_path) == before
+
+
+def test_checkpoint_every_without_checkpoint_is_refused(ring_store, capsys):
+    from dkicf.cli import main
+
+    code = main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--checkpoint-every",
+                 "5", "--out", str(ring_store / "ce.zarr"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint-every" in err and "--checkpoint URL" in err
+    assert not (ring_store / "ce.zarr").exists()

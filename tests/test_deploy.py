@@ -1582,7 +1582,8 @@ def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
     pytest.importorskip("dask_jobqueue")
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = _cli(tmp_path, "--cluster", "slurm", PATH=str(empty))
+    proc = _cli(tmp_path, "--cluster", "slurm", "--cores", "1", "--memory", "1GiB",
+                PATH=str(empty))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "dkicf fit: error: sbatch not found: run on a login node of a SLURM cluster (where "
@@ -1599,7 +1600,8 @@ def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
     stubs.mkdir()
     _write_executable(stubs / "sbatch", _SBATCH_QUEUED)
     _write_executable(stubs / "scancel", _SCANCEL_RECORD)
-    proc = _cli(tmp_path, "--cluster", "slurm", "--worker-timeout", "1", "--interface", "lo",
+    proc = _cli(tmp_path, "--cluster", "slurm", "--cores", "1", "--memory", "1GiB",
+                "--worker-timeout", "1", "--interface", "lo",
                 "--shared-dir", str(tmp_path / "shared"),
                 PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]), STUB_DIR=str(tmp_path))
     (job_id,) = (tmp_path / "queued").read_text().split()
@@ -1612,3 +1614,115 @@ def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
     assert f"squeue -j {job_id}" in lines[1] and f"read their output in {tmp_path}" in lines[1]
     assert len(lines) == 2 and "Traceback" not in proc.stderr
     assert (tmp_path / "cancelled").read_text().split() == [job_id]
+
+
+# ------------------------------------------------------------- counting workers
+
+
+class _FewWorkersByDefault:
+    """A client of distributed 2025.4 to 2026.6: ``scheduler_info()`` lists 5 workers
+    unless asked for all with ``n_workers=-1``."""
+
+    def __init__(self, n):
+        self.workers = {f"tcp://127.0.0.1:{4000 + k}": {"memory_limit": 2**30, "nthreads": 1}
+                        for k in range(n)}
+
+    def scheduler_info(self, n_workers=5):
+        shown = list(self.workers.items())
+        if n_workers != -1:
+            shown = shown[:n_workers]
+        return {"workers": dict(shown)}
+
+
+class _Watch:
+    """The part of a batch cluster's watch that waiting for workers uses."""
+
+    expected = 7
+
+    def submitted(self):
+        return True
+
+    def waiting(self):
+        return "7 jobs"
+
+    def none_joined(self):
+        return "none"
+
+    def rest(self):
+        return "the rest later"
+
+
+def test_seven_workers_are_all_counted():
+    """With 7 workers joined, the wait ends at once instead of waiting out the timeout."""
+    from dkicf._cluster import all_workers
+    from dkicf.deploy import _wait_for_workers
+    from dkicf.pipeline import _worker_resources
+
+    client = _FewWorkersByDefault(7)
+    assert len(all_workers(client)) == 7
+    messages = []
+    t0 = time.monotonic()
+    _wait_for_workers(client, _Watch(), timeout=30.0, progress=messages.append)
+    assert time.monotonic() - t0 < 5
+    assert messages[-1].startswith("all 7 workers joined after")
+    assert _worker_resources(client) == (2**30, 7, 1)
+
+
+def test_seven_workers_of_a_real_cluster_are_counted():
+    from distributed import Client, LocalCluster
+
+    from dkicf._cluster import all_workers
+
+    with LocalCluster(n_workers=7, threads_per_worker=1, processes=False, host="127.0.0.1",
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        client.wait_for_workers(7, timeout=START_TIMEOUT)
+        assert len(all_workers(client)) == 7
+
+
+def test_job_options_left_out_come_from_the_sites_jobqueue_yaml():
+    """dask-jobqueue's configuration applies to what the caller leaves out."""
+    pytest.importorskip("dask_jobqueue")
+    import dask
+
+    site = {"jobqueue.slurm.cores": 16, "jobqueue.slurm.memory": "120GiB",
+            "jobqueue.slurm.walltime": "08:00:00", "jobqueue.slurm.processes": 4}
+    with dask.config.set(site):
+        script = jobqueue_script("slurm")
+        given = jobqueue_script("slurm", cores=8, processes=2, memory="32GiB")
+    assert "#SBATCH --cpus-per-task=16" in script and "#SBATCH -t 08:00:00" in script
+    assert "--nworkers 4" in script and "--nthreads 4" in script
+    assert "#SBATCH --cpus-per-task=8" in given and "--nworkers 2" in given
+    with pytest.raises(TypeError, match=r"needs cores=.*or jobqueue.slurm.cores"):
+        jobqueue_script("slurm", memory="8GiB")
+
+
+def test_cli_slurm_flags_left_out_leave_the_site_settings(monkeypatch, tmp_path, capsys):
+    """Without --cores/--memory/--walltime/--processes the CLI passes none of them on."""
+    import dkicf.deploy
+    from dkicf.cli import main
+
+    seen = {}
+
+    def start_cluster(kind, **options):
+        seen.update(options, kind=kind)
+        raise ConnectionError("no batch system here")
+
+    monkeypatch.setattr(dkicf.deploy, "start_cluster", start_cluster)
+    _tiny_store(tmp_path / "data.zarr")
+    code = main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out",
+                 str(tmp_path / "out.zarr"), "--cluster", "slurm", "--quiet"])
+    assert code == 2 and "no batch system here" in capsys.readouterr().err
+    assert seen["kind"] == "slurm" and seen["jobs"] == 1
+    for flag in ("cores", "memory", "walltime", "processes", "queue", "account", "interface"):
+        assert flag not in seen, flag
+    main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out",
+          str(tmp_path / "out.zarr"), "--cluster", "pbs", "--cores", "16", "--memory", "1GiB",
+          "--quiet"])
+    assert seen["cores"] == 16 and seen["memory"] == "1GiB" and "walltime" not in seen
+
+
+def _tiny_store(path):
+    from dkicf import io
+
+    X = np.random.default_rng(0).normal(size=(60, 2))
+    io.write_group(str(path), {"X": X}, {})
