@@ -194,6 +194,17 @@ def _gamma_arg(text: str):
     return _gamma(text)
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Every option's default in its help, unless the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line (and status 2), pointing at --help instead of the usage."""
 
@@ -201,27 +212,40 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``dkicf`` parser.
+
+    ``bench``'s own options come from :mod:`dkicf.bench`, which imports every
+    baseline: they are added only when ``argv`` (the arguments about to be
+    parsed; None: all of them) names ``bench``, so that other commands and
+    ``--help`` start fast.
+    """
     from . import __version__
 
     parser = _Parser(
         prog="dkicf",
         description="Kernel k-means on an incomplete Cholesky factorization, on dask.",
+        epilog="Exit status: 0 success, 1 failure while running (missing input, scheduler "
+               "not answering, worker failure), 2 error in the command line, 130 "
+               "interrupted, 143 terminated.",
+        formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"dkicf {__version__}")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    # The same two flags are accepted after the command name too.
+    # These flags are accepted after the command name too.
     common = _Parser(add_help=False)
-    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
-                        help="no progress bars")
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show tracebacks and debug logs")
+    for where, default in ((parser, False), (common, argparse.SUPPRESS)):
+        where.add_argument("--quiet", action="store_true", default=default,
+                           help="no progress bars")
+        where.add_argument("-v", "--verbose", action="store_true", default=default,
+                           help="show dkicf's INFO logs (what it decides and why)")
+        where.add_argument("--debug", action="store_true", default=default,
+                           help="show tracebacks, and the debug logs of dkicf and dask")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_parser = sub.add_parser
 
     def add_parser(name, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
         return _add_parser(name, parents=[common], **kwargs)
 
     sub.add_parser = add_parser
@@ -349,9 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate the data again even if WORKDIR holds it")
     _add_cluster(p)
 
-    from . import bench
+    if argv is None or "bench" in argv:
+        from . import bench
 
-    bench.add_parser(sub)
+        bench.add_parser(sub)
+    else:
+        sub.add_parser("bench", help="benchmarks: reproduce the paper's experiments")
     return parser
 
 
@@ -509,10 +536,27 @@ def _cluster(args):
 # ---------------------------------------------------------------------------- commands
 
 
+def _check_outputs(out: str, inputs: dict, *, overwrite: bool | None,
+                   storage_options: dict | None = None) -> None:
+    """Refuse an output that is one of the inputs, or exists without --overwrite.
+
+    Both are usage errors (status 2): another --out, or --overwrite, fixes
+    them.  ``overwrite=None`` checks the inputs only.
+    """
+    from . import io
+
+    try:
+        io.check_not_input(out, inputs)
+    except io.DkicfIOError as exc:
+        raise UsageError(str(exc)) from None
+    if overwrite is not None:
+        io.check_writable(out, overwrite=overwrite, storage_options=storage_options)
+
+
 def _cmd_convert(args) -> int:
     from . import io
 
-    io.check_not_input(args.dst, {"the source": args.src})
+    _check_outputs(args.dst, {"the source": args.src}, overwrite=None)
     info = io.convert(
         args.src, args.dst, dtype=args.dtype, chunk_rows=args.chunk_rows,
         overwrite=args.overwrite, label_column=args.label_column,
@@ -570,15 +614,14 @@ def _cmd_fit(args) -> int:
         batch_size=args.batch_size, n_init=args.n_init, max_iter=args.max_iter,
         random_state=args.seed,
     )
-    from . import io
 
     if args.resume and not args.checkpoint:
         raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
     if args.checkpoint_every is not None and not args.checkpoint:
         raise UsageError("--checkpoint-every sets how often --checkpoint commits: give "
                          "--checkpoint URL too, or drop --checkpoint-every.")
-    io.check_not_input(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint})
-    io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
+    _check_outputs(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint},
+                   overwrite=args.overwrite, storage_options=storage_options)
     with _cluster(args) as client:
         try:
             report = fit_store(
@@ -609,10 +652,9 @@ def _cmd_predict(args) -> int:
 
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.model, args.store, args.out)
-    from . import io
 
-    io.check_not_input(args.out, {"the model": args.model, "the dataset": args.store})
-    io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
+    _check_outputs(args.out, {"the model": args.model, "the dataset": args.store},
+                   overwrite=args.overwrite, storage_options=storage_options)
     with _cluster(args) as client:
         report = predict_store(args.model, args.store, args.out, client=client,
                                overwrite=args.overwrite, storage_options=storage_options)
@@ -741,7 +783,9 @@ def _on_sigterm(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dkicf`` command."""
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not args.debug:
         # Quiet the cluster's own INFO logs, in this process and in the workers it starts.
@@ -753,6 +797,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.verbose and not args.debug:
+        logger.setLevel(logging.INFO)
     import signal
     import threading
 
@@ -768,7 +814,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    """Run the parsed command; errors become one line on stderr and an exit status."""
+    """Run the parsed command; errors become one line on stderr and an exit status.
+
+    Status 2 means the command line itself is wrong (a flag, a value, an
+    output that exists or is an input): fixed by changing the command.  Status
+    1 is a failure while running: missing or unreadable input, a scheduler
+    that does not answer, a worker that died, too little memory.
+    """
     from .errors import DkicfError
 
     try:
@@ -779,13 +831,13 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print("dkicf: interrupted", file=sys.stderr)
         return 130
-    except (UsageError, ValueError, TypeError, FileNotFoundError, FileExistsError,
-            PermissionError, ConnectionError, ImportError, MemoryError) as exc:
+    except (UsageError, FileExistsError) as exc:
         if args.debug:
             raise
         print(f"dkicf {args.command}: error: {_cli_message(exc)}", file=sys.stderr)
         return 2
-    except DkicfError as exc:  # e.g. a task that kept killing its workers
+    except (DkicfError, ValueError, TypeError, OSError, ConnectionError, ImportError,
+            MemoryError) as exc:
         if args.debug:
             raise
         print(f"dkicf {args.command}: error: {_cli_message(exc)}", file=sys.stderr)

@@ -123,28 +123,37 @@ def test_existing_output_is_refused_and_left_intact(ring_store):
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, message, status",
     [
-        (("fit", "missing.zarr", "--clusters", "2", "--out", "o.zarr"), "no Zarr store"),
-        (("info", "missing.zarr"), "no Zarr store"),
-        (("fit", "ring.zarr", "--clusters", "0", "--out", "o.zarr"), "expected an integer >= 1"),
+        (("fit", "missing.zarr", "--clusters", "2", "--out", "o.zarr"), "no Zarr store", 1),
+        (("info", "missing.zarr"), "no Zarr store", 1),
+        (("fit", "ring.zarr", "--clusters", "0", "--out", "o.zarr"), "expected an integer >= 1",
+         2),
         (("fit", "ring.zarr", "--clusters", "2", "--gamma", "-1", "--out", "o.zarr"),
-         "gamma must be > 0"),
+         "gamma must be > 0", 2),
         # Options for remote stores given with local paths only would be ignored.
         (("fit", "ring.zarr", "--clusters", "2", "--out", "o.zarr", "--storage-option",
-          "anon=true"), "--storage-option applies to stores named by URL (s3://"),
+          "anon=true"), "--storage-option applies to stores named by URL (s3://", 2),
         (("info", "ring.zarr", "--storage-options-file", "opts.json"),
-         "--storage-options-file applies to stores named by URL"),
+         "--storage-options-file applies to stores named by URL", 2),
         (("generate", "ring", "g.zarr", "--n", "100", "--storage-option", "anon=true"),
-         "every path here is local (g.zarr)"),
+         "every path here is local (g.zarr)", 2),
     ],
 )
-def test_usage_errors_are_one_line_with_status_2(ring_store, args, message):
-    proc = dkicf(*args, cwd=ring_store)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) <= 2
+def test_errors_are_one_line_with_status_2_for_usage_and_1_for_the_rest(
+        ring_store, args, message, status, capsys, monkeypatch):
+    from dkicf.cli import main
+
+    monkeypatch.chdir(ring_store)
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == status, err
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2
 
 
 def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path):
@@ -154,7 +163,7 @@ def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path):
     g.create_group("sub")
     proc = dkicf("fit", tmp_path / "g.zarr", "--clusters", "2", "--out", tmp_path / "o.zarr",
                  *CLUSTER, cwd=tmp_path)
-    assert proc.returncode == 2 and "without an array X" in proc.stderr
+    assert proc.returncode == 1 and "without an array X" in proc.stderr
     debug = dkicf("--debug", "info", tmp_path / "missing.zarr", cwd=tmp_path)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
@@ -162,7 +171,7 @@ def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path):
 def test_labels_of_the_wrong_length_are_refused(tmp_path):
     np.savez(tmp_path / "bad.npz", X=np.zeros((10, 2)), y=np.zeros(9, dtype=int))
     proc = dkicf("convert", tmp_path / "bad.npz", tmp_path / "bad.zarr", cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "9" in proc.stderr and "10" in proc.stderr
     assert not (tmp_path / "bad.zarr").exists()
 
@@ -409,3 +418,96 @@ def test_checkpoint_every_without_checkpoint_is_refused(ring_store, capsys):
     err = capsys.readouterr().err
     assert "--checkpoint-every" in err and "--checkpoint URL" in err
     assert not (ring_store / "ce.zarr").exists()
+
+
+def test_python_dash_m_dkicf_is_the_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dkicf", "--version"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    from dkicf import __version__
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"dkicf {__version__}"
+
+
+def test_help_and_version_import_neither_scipy_nor_scikit_learn(tmp_path):
+    """What makes ``dkicf --help`` take seconds: imports it does not need."""
+    code = (
+        "import sys\n"
+        "from dkicf.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['fit', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('sklearn', 'scipy', 'dask', 'distributed', 'zarr')\n"
+        "               if m in sys.modules)\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stderr, proc.stderr
+
+
+def test_the_package_api_resolves_lazily():
+    import dkicf
+    import dkicf.kmeans  # the submodule: dkicf.kmeans stays the function
+
+    assert callable(dkicf.kmeans) and dkicf.kmeans.__module__ == "dkicf.kmeans"
+    for name in dkicf.__all__:
+        assert getattr(dkicf, name) is not None, name
+    assert dkicf.KernelKMeans.__module__ == "dkicf.estimator"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        dkicf.nope  # noqa: B018
+
+
+def test_help_shows_every_default(capsys):
+    from dkicf.cli import main
+
+    for command in ("fit", "predict", "convert", "generate", "info", "plot", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "-v, --verbose" in text
+        if command in ("fit", "predict", "demo"):
+            for default in ("--workers WORKERS local workers (default: 2)",
+                            "--threads THREADS threads per local worker (default: 1)",
+                            "--jobs JOBS batch jobs (slurm/pbs; default: 1)",
+                            "--timeout TIMEOUT seconds to wait for a scheduler",
+                            "--name NAME cluster name (kubernetes) (default: dkicf)"):
+                assert default in text, (command, default)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "1 failure while running" in " ".join(capsys.readouterr().out.split())
+
+
+def test_verbose_shows_dkicf_info_logs(tmp_path):
+    """-v: dkicf's INFO logs reach stderr; without it, only warnings."""
+    code = (
+        "import logging, sys\n"
+        "from dkicf.cli import main\n"
+        "main(sys.argv[1:] + ['info', 'missing.zarr'])\n"
+        "logging.getLogger('dkicf.probe').info('probe message')\n"
+        "logging.getLogger('distributed.probe').info('distributed chatter')\n"
+    )
+    for flags, shown in (([], False), (["-v"], True), (["--verbose"], True)):
+        proc = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)
+        assert ("INFO dkicf.probe: probe message" in proc.stderr) is shown, proc.stderr
+        assert "distributed chatter" not in proc.stderr
+
+
+def test_a_scheduler_that_does_not_answer_is_a_runtime_failure(ring_store, capsys):
+    import socket
+
+    from dkicf.cli import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--out",
+                 str(ring_store / "nowhere.zarr"), "--scheduler", f"tcp://127.0.0.1:{port}",
+                 "--timeout", "1", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1

@@ -1452,7 +1452,7 @@ def test_cli_fit_over_tls_and_refused_without_certificates(tls_cluster, pki, tmp
          "--quiet"],
         capture_output=True, text=True, timeout=120, env=_child_env(),
     )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert address.split("://")[1] in proc.stderr
 
 
@@ -1584,7 +1584,7 @@ def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
     empty.mkdir()
     proc = _cli(tmp_path, "--cluster", "slurm", "--cores", "1", "--memory", "1GiB",
                 PATH=str(empty))
-    assert proc.returncode == 2
+    assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         "dkicf fit: error: sbatch not found: run on a login node of a SLURM cluster (where "
         "sbatch is on PATH), or use --scheduler to connect to a running dask scheduler "
@@ -1711,7 +1711,7 @@ def test_cli_slurm_flags_left_out_leave_the_site_settings(monkeypatch, tmp_path,
     _tiny_store(tmp_path / "data.zarr")
     code = main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out",
                  str(tmp_path / "out.zarr"), "--cluster", "slurm", "--quiet"])
-    assert code == 2 and "no batch system here" in capsys.readouterr().err
+    assert code == 1 and "no batch system here" in capsys.readouterr().err
     assert seen["kind"] == "slurm" and seen["jobs"] == 1
     for flag in ("cores", "memory", "walltime", "processes", "queue", "account", "interface"):
         assert flag not in seen, flag
