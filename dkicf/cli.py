@@ -76,13 +76,24 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                    help="connect to an existing scheduler (tcp://host:port or tls://host:port)")
     g.add_argument("--scheduler-file", metavar="FILE",
                    help="connect to the scheduler described by this file")
-    g.add_argument("--cluster", choices=["local", "kubernetes", "slurm", "pbs"], default="local",
-                   help="cluster to start when no scheduler is given (default: local)")
-    g.add_argument("--workers", type=int, default=2, help="local workers (default: 2)")
-    g.add_argument("--threads", type=int, default=1, help="threads per local worker (default: 1)")
-    g.add_argument("--memory-limit", default="auto",
-                   help="memory limit per worker, e.g. 4GiB (local default: auto, the "
-                        "machine's memory shared among the workers; kubernetes default: 4GiB)")
+    from ._config import get
+
+    g.add_argument("--cluster", choices=["local", "kubernetes", "slurm", "pbs"], default=None,
+                   help="cluster to start when no scheduler is given (default: none for data "
+                        "that fit in memory, which run in this process on numpy; else local). "
+                        "--cluster local, or any of --workers, --threads, --memory-limit and "
+                        "--dashboard, starts a local cluster whatever the size")
+    g.add_argument("--workers", type=_positive_int, default=None,
+                   help=f"local or kubernetes workers (default: {get('cluster.workers')}, "
+                        "dask config dkicf.cluster.workers)")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help=f"threads per worker (default: {get('cluster.threads')}, "
+                        "dask config dkicf.cluster.threads)")
+    g.add_argument("--memory-limit", default=None,
+                   help="memory limit per worker, e.g. 4GiB (local default: "
+                        f"{get('cluster.memory-limit')}, dask config dkicf.cluster.memory-limit; "
+                        "auto: the machine's memory shared among the workers; kubernetes "
+                        "default: 4GiB)")
     g.add_argument("--dashboard", action="store_true",
                    help="serve the dask dashboard (on 127.0.0.1 only)")
     g.add_argument("--tls-ca-file",
@@ -116,10 +127,16 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=20.0,
                    help="seconds to wait for a scheduler (--scheduler, --scheduler-file; "
                         "default: 20)")
-    g.add_argument("--worker-timeout", type=float, default=3600.0, metavar="SECONDS",
+    g.add_argument("--worker-timeout", type=float, default=None, metavar="SECONDS",
                    help="kubernetes/slurm/pbs: seconds to wait for all workers to join, as "
-                        "pods or batch jobs start (default: 3600; inf: no limit); then the "
+                        f"pods or batch jobs start (default: {get('cluster.worker-timeout')}, "
+                        "dask config dkicf.cluster.worker-timeout; inf: no limit); then the "
                         "fit goes on with those that joined, or stops if none did")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON object on stdout")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -221,6 +238,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ``--help`` start fast.
     """
     from . import __version__
+    from ._config import get
 
     parser = _Parser(
         prog="dkicf",
@@ -296,12 +314,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="degree of the polynomial kernel (default: 3)")
     p.add_argument("--coef0", type=float, default=1.0,
                    help="constant term of the polynomial kernel (default: 1.0)")
-    p.add_argument("--rank", type=_positive_int, default=100, help="rank s (default: 100)")
+    p.add_argument("--rank", type=_positive_int, default=get("fit.rank"),
+                   help=f"rank s (default: {get('fit.rank')}, dask config dkicf.fit.rank)")
     p.add_argument("--tol", type=float, default=1e-3, help="trace-error tolerance (default: 1e-3)")
     p.add_argument("--pivoting", choices=["greedy", "block-greedy", "rpcholesky"],
-                   default="block-greedy",
-                   help="pivot rule of the factorization (default: block-greedy, the paper's "
-                        "greedy pivots several per pass over X)")
+                   default=get("fit.pivoting"),
+                   help=f"pivot rule of the factorization (default: {get('fit.pivoting')}, dask "
+                        "config dkicf.fit.pivoting; block-greedy: the paper's greedy pivots, "
+                        "several per pass over X)")
     # The k-means names only: dkicf.kmeans imports numpy and scipy, but no cluster code.
     from .kmeans import ALGORITHMS, INITS
 
@@ -341,6 +361,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_output(p)
     _add_cluster(p)
     _add_storage(p)
+    _add_json(p)
 
     p = sub.add_parser("predict", help="assign the points of a Zarr dataset with a saved model")
     p.add_argument("model", help="a model written by dkicf fit (its --out)")
@@ -348,12 +369,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_output(p)
     _add_cluster(p)
     _add_storage(p)
+    _add_json(p)
 
     p = sub.add_parser("info", help="describe a dataset, a model or a fit's checkpoint")
+    _add_json(p)
     p.add_argument("path", help="a Zarr dataset, a model (dkicf fit --out) or a --checkpoint "
                                 "(how far the fit got, where P lives, how to resume)")
-    p.add_argument("--rank", type=_positive_int, default=100,
-                   help="rank used for the memory estimate of a fit (default: 100)")
+    p.add_argument("--rank", type=_positive_int, default=get("fit.rank"),
+                   help=f"rank used for the memory estimate of a fit (default: "
+                        f"{get('fit.rank')}, dask config dkicf.fit.rank)")
     _add_storage(p)
 
     p = sub.add_parser("plot", help="write PNG plots of a model")
@@ -366,9 +390,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--n", type=_positive_int, default=1_000_000,
                    help="points of the Ring (default: 1000000)")
     p.add_argument("--rank", type=_positive_int, default=50, help="rank s (default: 50)")
-    p.add_argument("--workdir", default="dkicf-demo",
-                   help="folder for data, model and plots (default: dkicf-demo); the model and "
-                        "plots there are replaced on every run")
+    p.add_argument("--workdir", default=None,
+                   help="folder for data, model and plots (default: a new temporary folder, "
+                        "printed with its size at the end); the model and plots there are "
+                        "replaced on every run, the data reused")
     p.add_argument("--overwrite", action="store_true",
                    help="generate the data again even if WORKDIR holds it")
     _add_cluster(p)
@@ -472,11 +497,61 @@ def _rows_bar(desc: str):
 # ---------------------------------------------------------------------------- cluster
 
 
-@contextlib.contextmanager
-def _cluster(args):
-    """Yield a client for the command, closing whatever this command started."""
-    from . import deploy
+def _wants_cluster(args) -> bool:
+    """Whether the command line asks for a cluster, whatever the size of the data."""
+    return bool(args.scheduler or args.scheduler_file or args.cluster is not None
+                or args.workers is not None or args.threads is not None
+                or args.memory_limit is not None or args.dashboard)
 
+
+def _fits_in_process(nbytes: int) -> bool:
+    """Whether ``nbytes`` fit comfortably in this process: dkicf.in-process-max-bytes, and a
+    quarter of the memory free now."""
+    import psutil
+    from dask.utils import parse_bytes
+
+    from ._config import get
+
+    limit = get("in-process-max-bytes")
+    limit = parse_bytes(limit) if isinstance(limit, str) else int(limit)
+    return nbytes <= min(limit, psutil.virtual_memory().available / 4)
+
+
+def _check_cluster_args(args) -> None:
+    """The cluster flags' values, checked before anything is read or started."""
+    from ._config import get
+
+    _check_size("--memory-limit", args.memory_limit or str(get("cluster.memory-limit")),
+                auto=True)
+    if args.cluster in ("slurm", "pbs") and args.memory is not None:
+        _check_size("--memory", args.memory, auto=False)
+    if args.cluster in ("kubernetes", "slurm", "pbs"):
+        timeout = (args.worker_timeout if args.worker_timeout is not None
+                   else float(get("cluster.worker-timeout")))
+        if not timeout > 0:
+            raise UsageError(
+                f"--worker-timeout must be a number of seconds > 0 (inf: no limit), "
+                f"got {timeout}."
+            )
+    if args.cluster == "kubernetes" and not args.image:
+        raise UsageError("--cluster kubernetes needs --image (the dkicf container image).")
+
+
+@contextlib.contextmanager
+def _cluster(args, *, in_process: bool = False):
+    """Yield a client for the command, closing whatever this command started.
+
+    ``in_process``: no cluster is started and None is yielded; the command
+    computes in this process.
+    """
+    from . import deploy
+    from ._config import get
+
+    if in_process:
+        logger.info("running in this process on numpy: the data fit in memory (start a "
+                    "cluster with --cluster local or --scheduler)")
+        yield None
+        return
     security = None
     if args.tls_ca_file or args.tls_cert or args.tls_key:
         security = deploy.make_security(args.tls_ca_file, args.tls_cert, args.tls_key)
@@ -488,26 +563,23 @@ def _cluster(args):
         finally:
             client.close()
         return
-    options = {}
-    _check_size("--memory-limit", args.memory_limit, auto=True)
-    if args.cluster in ("slurm", "pbs") and args.memory is not None:
-        _check_size("--memory", args.memory, auto=False)
-    if args.cluster == "local":
-        options = dict(workers=args.workers, threads=args.threads,
-                       memory_limit=args.memory_limit, dashboard=args.dashboard)
+    kind = args.cluster or "local"
+    workers = args.workers or get("cluster.workers")
+    threads = args.threads or get("cluster.threads")
+    memory_limit = args.memory_limit or str(get("cluster.memory-limit"))
+    worker_timeout = (args.worker_timeout if args.worker_timeout is not None
+                      else float(get("cluster.worker-timeout")))
+    logger.info("starting a %s cluster", kind)
+    if kind == "local":
+        options = dict(workers=workers, threads=threads,
+                       memory_limit=memory_limit, dashboard=args.dashboard)
     else:
-        if not args.worker_timeout > 0:
-            raise UsageError(
-                f"--worker-timeout must be a number of seconds > 0 (inf: no limit), "
-                f"got {args.worker_timeout}."
-            )
-
         def say(line: str) -> None:
             print(f"dkicf: {line}", file=sys.stderr, flush=True)
 
         # Batch jobs and pods may take hours to start: say what is being waited for.
-        options = dict(worker_timeout=args.worker_timeout, progress=None if args.quiet else say)
-    if args.cluster in ("slurm", "pbs"):
+        options = dict(worker_timeout=worker_timeout, progress=None if args.quiet else say)
+    if kind in ("slurm", "pbs"):
         # Flags left out fall back to dask-jobqueue's configuration (the site's jobqueue.yaml).
         given = dict(cores=args.cores, memory=args.memory, walltime=args.walltime,
                      queue=args.queue, processes=args.processes, interface=args.interface,
@@ -518,14 +590,11 @@ def _cluster(args):
         options["security"] = True if security is None else security
         if args.shared_dir:
             options["shared_temp_directory"] = args.shared_dir
-    elif args.cluster == "kubernetes":
-        if not args.image:
-            raise UsageError("--cluster kubernetes needs --image (the dkicf container image).")
-        options.update(name=args.name, image=args.image, workers=args.workers,
-                       threads=args.threads)
-        if args.memory_limit != "auto":  # a pod needs a size: kubernetes_spec's default
-            options["memory_limit"] = args.memory_limit
-    client, cluster = deploy.start_cluster(args.cluster, **options)
+    elif kind == "kubernetes":
+        options.update(name=args.name, image=args.image, workers=workers, threads=threads)
+        if memory_limit != "auto":  # a pod needs a size: kubernetes_spec's default
+            options["memory_limit"] = memory_limit
+    client, cluster = deploy.start_cluster(kind, **options)
     try:
         yield client
     finally:
@@ -602,11 +671,18 @@ def _describe(info: dict) -> str:
 
 
 def _cmd_fit(args) -> int:
+    from . import io
+    from .estimator import KernelKMeans
     from .pipeline import fit_store
 
+    if args.resume and not args.checkpoint:
+        raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise UsageError("--checkpoint-every sets how often --checkpoint commits: give "
+                         "--checkpoint URL too, or drop --checkpoint-every.")
+    _check_cluster_args(args)
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.store, args.out, args.checkpoint)
-    progress = _Progress(args.quiet)
     params = dict(
         n_clusters=args.clusters, kernel=args.kernel, gamma=args.gamma, degree=args.degree,
         coef0=args.coef0, rank=args.rank, tol=args.tol, pivoting=args.pivoting,
@@ -614,15 +690,20 @@ def _cmd_fit(args) -> int:
         batch_size=args.batch_size, n_init=args.n_init, max_iter=args.max_iter,
         random_state=args.seed,
     )
-
-    if args.resume and not args.checkpoint:
-        raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
-    if args.checkpoint_every is not None and not args.checkpoint:
-        raise UsageError("--checkpoint-every sets how often --checkpoint commits: give "
-                         "--checkpoint URL too, or drop --checkpoint-every.")
     _check_outputs(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint},
                    overwrite=args.overwrite, storage_options=storage_options)
-    with _cluster(args) as client:
+    # What the data's metadata allows to check comes before any cluster starts.
+    X, _, _ = io.open_dataset(args.store, storage_options=storage_options)
+    n, d = X.shape
+    try:
+        KernelKMeans(**params)._check_params(n)
+    except ValueError as exc:
+        raise UsageError(f"{exc} ({args.store} has {n} rows.)") from None
+    in_process = (not _wants_cluster(args) and args.checkpoint is None
+                  and args.p_storage != "zarr" and args.persist == "auto"
+                  and _fits_in_process(8 * n * d + 2 * 8 * n * min(args.rank, n)))
+    progress = _Progress(args.quiet)
+    with _cluster(args, in_process=in_process) as client:
         try:
             report = fit_store(
                 args.store, args.out, params, client=client, overwrite=args.overwrite,
@@ -636,11 +717,15 @@ def _cmd_fit(args) -> int:
             progress.finish()
         finally:
             progress.close()  # an error is printed on a line of its own, not after the bar
-    _print_report(report)
+    report["where"] = "in-process" if in_process else "cluster"
+    _print_report(report, as_json=args.json)
     return 0
 
 
-def _print_report(report: dict) -> None:
+def _print_report(report: dict, *, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps(report, default=str))
+        return
     for key, value in report.items():
         if isinstance(value, float):
             value = f"{value:.6g}"
@@ -648,17 +733,29 @@ def _print_report(report: dict) -> None:
 
 
 def _cmd_predict(args) -> int:
+    from . import io
+    from .estimator import load
     from .pipeline import predict_store
 
+    _check_cluster_args(args)
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.model, args.store, args.out)
-
     _check_outputs(args.out, {"the model": args.model, "the dataset": args.store},
                    overwrite=args.overwrite, storage_options=storage_options)
-    with _cluster(args) as client:
+    model = load(args.model, storage_options=storage_options)
+    X, _, _ = io.open_dataset(args.store, storage_options=storage_options)
+    n, d = X.shape
+    if d != model.n_features_in_:
+        raise ValueError(
+            f"{args.store} has {d} features but the model {args.model} was fitted on "
+            f"{model.n_features_in_}; predict with data of the same features."
+        )
+    in_process = not _wants_cluster(args) and _fits_in_process(8 * n * (d + model.rank_))
+    with _cluster(args, in_process=in_process) as client:
         report = predict_store(args.model, args.store, args.out, client=client,
                                overwrite=args.overwrite, storage_options=storage_options)
-    _print_report(report)
+    report["where"] = "in-process" if in_process else "cluster"
+    _print_report(report, as_json=args.json)
     return 0
 
 
@@ -667,9 +764,30 @@ def _cmd_info(args) -> int:
 
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.path)
+    if args.json:
+        print(json.dumps(_info_json(args.path, args.rank, storage_options), default=str))
+        return 0
     for line in describe(args.path, rank=args.rank, storage_options=storage_options):
         print(line)
     return 0
+
+
+def _info_json(path: str, rank: int, storage_options: dict) -> dict:
+    """What ``dkicf info`` shows, as one JSON object."""
+    from dataclasses import asdict
+
+    import numpy as np
+
+    from . import io
+    from .pipeline import plan_fit
+
+    kind, details = io.inspect(path, storage_options=storage_options)
+    result = {"path": path, "kind": kind, **details}
+    if kind == "dataset":
+        n, d = details["shape"]
+        plan = plan_fit((n, d), details["chunks"][0], np.dtype(details["dtype"]).itemsize, rank)
+        result["fit_estimate"] = asdict(plan)
+    return result
 
 
 def _cmd_plot(args) -> int:
@@ -684,12 +802,19 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    import tempfile
+
     from . import io
     from .pipeline import fit_store
     from .plotting import plot_model
 
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    _check_cluster_args(args)
+    if args.workdir is None:
+        work = Path(tempfile.mkdtemp(prefix="dkicf-demo-"))
+    else:
+        work = Path(args.workdir)
+        work.mkdir(parents=True, exist_ok=True)
+    print(f"data, model and plots go to {work}")
     data, model = work / "ring.zarr", work / "model.zarr"
     t0 = time.perf_counter()
     rows = _rows_of(data) if data.exists() and not args.overwrite else None
@@ -704,15 +829,22 @@ def _cmd_demo(args) -> int:
     # The default k-means settings: they find the rings' partition.
     params = dict(n_clusters=2, kernel="gaussian", gamma=16.0, rank=args.rank, tol=1e-3,
                   random_state=0)
-    with _cluster(args) as client:
-        report = fit_store(str(data), str(model), params, client=client, overwrite=True,
-                           progress=progress)
-    progress.finish()
+    in_process = not _wants_cluster(args) and _fits_in_process(16 * args.n * (1 + args.rank))
+    with _cluster(args, in_process=in_process) as client:
+        try:
+            report = fit_store(str(data), str(model), params, client=client, overwrite=True,
+                               progress=progress)
+            progress.finish()
+        finally:
+            progress.close()
     paths = plot_model(str(model), str(work), data=str(data))
-    report = {"points": args.n, "generate_s": t_gen, **report}
+    report = {"points": args.n, "generate_s": t_gen, **report,
+              "where": "in-process" if in_process else "cluster"}
     _print_report(report)
     for p in paths:
         print(f"wrote {p}")
+    size = sum(f.stat().st_size for f in work.rglob("*") if f.is_file())
+    print(f"{work} holds {size / 2**20:.0f} MiB; remove it with: rm -r {work}")
     return 0
 
 

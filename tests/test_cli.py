@@ -439,7 +439,7 @@ def test_help_and_version_import_neither_scipy_nor_scikit_learn(tmp_path):
         "        main(argv)\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "heavy = sorted(m for m in ('sklearn', 'scipy', 'dask', 'distributed', 'zarr')\n"
+        "heavy = sorted(m for m in ('sklearn', 'scipy', 'distributed', 'zarr')\n"
         "               if m in sys.modules)\n"
         "print('HEAVY', heavy, file=sys.stderr)\n"
     )
@@ -470,8 +470,10 @@ def test_help_shows_every_default(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "-v, --verbose" in text
         if command in ("fit", "predict", "demo"):
-            for default in ("--workers WORKERS local workers (default: 2)",
-                            "--threads THREADS threads per local worker (default: 1)",
+            for default in ("--workers WORKERS local or kubernetes workers (default: 2, dask "
+                            "config dkicf.cluster.workers)",
+                            "--threads THREADS threads per worker (default: 1, dask config "
+                            "dkicf.cluster.threads)",
                             "--jobs JOBS batch jobs (slurm/pbs; default: 1)",
                             "--timeout TIMEOUT seconds to wait for a scheduler",
                             "--name NAME cluster name (kubernetes) (default: dkicf)"):
@@ -511,3 +513,76 @@ def test_a_scheduler_that_does_not_answer_is_a_runtime_failure(ring_store, capsy
     err = capsys.readouterr().err
     assert code == 1, err
     assert f"127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_small_data_run_in_process_and_report_json(ring_store, tmp_path):
+    """No cluster flag and data that fit in memory: fit and predict run in this process
+    (no LocalCluster), with the same model format, and --json prints one object."""
+    import zarr
+
+    fit = dkicf("-v", "fit", ring_store / "ring.zarr", "--clusters", "2", "--gamma", "16",
+                "--rank", "50", "--out", tmp_path / "m.zarr", "--quiet", "--json", cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr
+    report = json.loads(fit.stdout)
+    assert report["where"] == "in-process" and report["accuracy"] == 1.0
+    assert report["rank"] == 50 and report["out"] == str(tmp_path / "m.zarr")
+    assert "running in this process on numpy" in fit.stderr
+    assert "distributed" not in fit.stderr
+    group = zarr.open_group(str(tmp_path / "m.zarr"), mode="r")
+    assert group["labels"].chunks == (700,) and group["P"].shape == (3000, 50)
+    pred = dkicf("predict", tmp_path / "m.zarr", ring_store / "ring.zarr", "--out",
+                 tmp_path / "l.zarr", "--json", cwd=tmp_path)
+    assert pred.returncode == 0, pred.stderr
+    assert json.loads(pred.stdout)["where"] == "in-process"
+    np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "l.zarr"))["labels"][...],
+                                  group["labels"][...])
+    info = dkicf("info", tmp_path / "m.zarr", "--json", cwd=tmp_path)
+    details = json.loads(info.stdout)
+    assert details["kind"] == "model" and details["rank"] == 50
+    info = dkicf("info", ring_store / "ring.zarr", "--json", "--rank", "20", cwd=tmp_path)
+    details = json.loads(info.stdout)
+    assert details["shape"] == [3000, 2] and details["fit_estimate"]["rank"] == 20
+
+
+def test_refusals_come_before_any_cluster_starts(ring_store, tmp_path, capsys, monkeypatch):
+    import dkicf.deploy
+    from dkicf.cli import main
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(dkicf.deploy, "start_cluster", no_cluster)
+    store = str(ring_store / "ring.zarr")
+    code = main(["fit", store, "--clusters", "3001", "--out", str(tmp_path / "o.zarr"),
+                 "--cluster", "local", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "n_samples=3000 should be >= n_clusters=3001" in err
+    np.save(tmp_path / "wide.npy", np.zeros((10, 3)))
+    from dkicf import io
+
+    io.convert(tmp_path / "wide.npy", tmp_path / "wide.zarr")
+    main(["fit", store, "--clusters", "2", "--rank", "5", "--out", str(tmp_path / "m.zarr"),
+          "--quiet"])
+    capsys.readouterr()
+    code = main(["predict", str(tmp_path / "m.zarr"), str(tmp_path / "wide.zarr"), "--out",
+                 str(tmp_path / "l.zarr"), "--cluster", "local", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "has 3 features but the model" in err and "fitted on 2" in err
+    assert not (tmp_path / "o.zarr").exists() and not (tmp_path / "l.zarr").exists()
+
+
+def test_demo_writes_to_a_temporary_folder_and_says_where_and_how_much(tmp_path):
+    proc = dkicf("demo", "--n", "2000", "--rank", "10", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing in the working directory
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("data, model and plots go to ")
+    work = first.rsplit(" ", 1)[1]
+    try:
+        last = proc.stdout.splitlines()[-1]
+        assert last.startswith(f"{work} holds ") and last.endswith(f"rm -r {work}")
+        assert "where: in-process" in proc.stdout
+    finally:
+        import shutil
+
+        shutil.rmtree(work)

@@ -1457,7 +1457,9 @@ def test_cli_fit_over_tls_and_refused_without_certificates(tls_cluster, pki, tmp
 
 
 def _cli(tmp_path, *args, **env):
-    """Run ``dkicf fit`` on a store that need not exist (cluster errors come first)."""
+    """Run ``dkicf fit`` on a small store (made here if missing): cluster errors come first."""
+    if not (tmp_path / "data.zarr").exists():
+        _tiny_store(tmp_path / "data.zarr")
     return subprocess.run(
         [sys.executable, "-m", "dkicf.cli", "fit", str(tmp_path / "data.zarr"), "--clusters",
          "2", "--out", str(tmp_path / "out.zarr"), *args],
@@ -1522,6 +1524,7 @@ def test_cli_kubernetes_default_memory_limit_gives_pods_a_size(monkeypatch, crd_
         sys.modules, "dask_kubernetes.operator", types.SimpleNamespace(KubeCluster=FakeKubeCluster)
     )
     image = "registry.example.com/dkicf:0.1.0"
+    _tiny_store(tmp_path / "data.zarr")
     for extra, spec in (([], kubernetes_spec("dkicf", image, workers=2, threads=1)),
                         (["--memory-limit", "3GiB"],
                          kubernetes_spec("dkicf", image, workers=2, threads=1,
@@ -1669,12 +1672,15 @@ def test_seven_workers_are_all_counted():
 
 
 def test_seven_workers_of_a_real_cluster_are_counted():
+    import dask
     from distributed import Client, LocalCluster
 
     from dkicf._cluster import all_workers
 
-    with LocalCluster(n_workers=7, threads_per_worker=1, processes=False, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+    # Workers in this process, talking in memory (no socket), without a dashboard.
+    with dask.config.set({"distributed.scheduler.http.routes": []}), LocalCluster(
+            n_workers=7, threads_per_worker=1, processes=False, dashboard_address=None,
+    ) as cluster, Client(cluster) as client:
         client.wait_for_workers(7, timeout=START_TIMEOUT)
         assert len(all_workers(client)) == 7
 
