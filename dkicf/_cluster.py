@@ -65,7 +65,8 @@ def get_client(client=None, *, timeout: float = 10.0):
     except ValueError:
         raise RuntimeError(
             "dask input needs a distributed cluster and none is running in this process. "
-            "Start one first, for example `client = dkicf.local_cluster()`, or pass client=."
+            "Start one first: `client = dkicf.local_cluster()` for workers on this machine, "
+            "or `distributed.Client(address)` to connect to a running scheduler."
         ) from None
 
 

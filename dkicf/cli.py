@@ -923,8 +923,12 @@ def main(argv: list[str] | None = None) -> int:
         # Quiet the cluster's own INFO logs, in this process and in the workers it starts.
         import os
 
-        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-        logging.getLogger("distributed").setLevel(logging.WARNING)
+        level = os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        if "dask.config" in sys.modules:  # read the environment already (the parser's defaults)
+            import dask.config
+
+            dask.config.set({"logging.distributed": level})
+        logging.getLogger("distributed").setLevel(level.upper())
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -586,3 +586,39 @@ def test_demo_writes_to_a_temporary_folder_and_says_where_and_how_much(tmp_path)
         import shutil
 
         shutil.rmtree(work)
+
+
+def test_nan_on_a_local_cluster_is_one_line_without_worker_dumps(tmp_path):
+    """The workers' "Compute Failed" dump of an error dkicf reports itself is dropped, and
+    distributed's INFO logs stay out of stderr."""
+    import zarr
+
+    X = np.random.default_rng(0).normal(size=(2000, 2))
+    X[1500, 1] = np.nan
+    zarr.open_group(str(tmp_path / "nan.zarr"), mode="w").create_array(
+        "X", data=X, chunks=(500, 2))
+    proc = dkicf("fit", "nan.zarr", "--clusters", "2", "--gamma", "1", "--out", "m.zarr",
+                 "--cluster", "local", "--workers", "1", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "dkicf fit: error: X contains NaN or infinity: first at row 1500 (chunk 3). Remove or "
+        "impute those rows before clustering."
+    ]
+
+
+def test_worker_filter_drops_only_dkicf_errors():
+    import logging
+
+    from dkicf._worker_preload import _OwnErrorsFilter
+
+    def record(exception_text):
+        return logging.LogRecord("distributed.worker", logging.ERROR, "w.py", 1,
+                                 "Compute Failed\nKey: %s\nState: %s\nTask: %s\nException: %r\n",
+                                 ("k", "executing", "task", exception_text), None)
+
+    keep = _OwnErrorsFilter().filter
+    assert not keep(record("NonFiniteError('X contains NaN')"))
+    assert not keep(record("MissingChunkError('chunk c/1/0 ...')"))
+    assert keep(record("ZeroDivisionError('division by zero')"))
+    assert keep(logging.LogRecord("distributed.worker", logging.ERROR, "w.py", 1, "other",
+                                  (), None))

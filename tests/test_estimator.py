@@ -227,3 +227,19 @@ def test_median_gamma_on_non_finite_dask_X_names_X_not_gamma(client, rng):
                                          r"for gamma='median'\)") as exc:
         model.fit(da.from_array(X, chunks=250))
     assert "gamma must be" not in str(exc.value)
+
+
+def test_dask_input_without_a_cluster_says_how_to_start_one(monkeypatch, rng):
+    """The hint names what exists: no ``client=`` argument of KernelKMeans."""
+    import dask.array as da
+    import distributed
+
+    def no_client():
+        raise ValueError("No clients found")
+
+    monkeypatch.setattr(distributed, "get_client", no_client)
+    X = da.from_array(rng.normal(size=(40, 2)), chunks=20)
+    with pytest.raises(RuntimeError, match=r"dkicf.local_cluster\(\)") as info:
+        KernelKMeans(n_clusters=2, rank=5, gamma=1.0).fit(X)
+    assert "client=" not in str(info.value)
+    assert "distributed.Client(address)" in str(info.value)
