@@ -166,6 +166,13 @@ def _check_size(flag: str, text: str, *, auto: bool) -> str:
     return text
 
 
+def _column_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected column names or indices A,B,..., got {text!r}")
+    return names
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -281,8 +288,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--label-column",
                    help="label column (csv, Parquet): its name in the header, else a 0-based "
                         "index (-1: the last column)")
+    p.add_argument("--columns", type=_column_list, metavar="A,B,...",
+                   help="csv, Parquet: the feature columns to keep, by header name or 0-based "
+                        "index, comma-separated (default: all but the label column)")
+    p.add_argument("--drop-columns", type=_column_list, metavar="A,B,...",
+                   help="csv, Parquet: columns to leave out, e.g. an id or a text column")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing Zarr store at DST (only when the new one is complete)")
+                   help="replace an existing dataset at DST (only when the new one is "
+                        "complete); anything else there, a model for instance, is refused")
     _add_storage(p)
 
     p = sub.add_parser("generate", help="write a synthetic dataset to Zarr, chunk by chunk")
@@ -605,12 +618,16 @@ def _cluster(args, *, in_process: bool = False):
 # ---------------------------------------------------------------------------- commands
 
 
-def _check_outputs(out: str, inputs: dict, *, overwrite: bool | None,
+def _check_outputs(out: str, inputs: dict, *, overwrite: bool | None, writes: str,
                    storage_options: dict | None = None) -> None:
-    """Refuse an output that is one of the inputs, or exists without --overwrite.
+    """Refuse an output that is one of the inputs, exists without --overwrite, or is
+    something else than what the command writes.
 
-    Both are usage errors (status 2): another --out, or --overwrite, fixes
-    them.  ``overwrite=None`` checks the inputs only.
+    All are usage errors (status 2): another --out, or --overwrite, fixes
+    them.  ``writes`` is the kind of output (``"dataset"``, ``"model"``,
+    ``"labels"``, as :func:`dkicf.io.inspect` names them): --overwrite
+    replaces only that, never a model by a dataset for instance.
+    ``overwrite=None`` checks the inputs only.
     """
     from . import io
 
@@ -618,19 +635,33 @@ def _check_outputs(out: str, inputs: dict, *, overwrite: bool | None,
         io.check_not_input(out, inputs)
     except io.DkicfIOError as exc:
         raise UsageError(str(exc)) from None
-    if overwrite is not None:
-        io.check_writable(out, overwrite=overwrite, storage_options=storage_options)
+    if overwrite is None:
+        return
+    io.check_writable(out, overwrite=overwrite, storage_options=storage_options)
+    if not overwrite:
+        return
+    try:
+        kind, _ = io.inspect(out, storage_options=storage_options)
+    except (io.DkicfIOError, OSError):
+        return  # nothing there, or nothing dkicf reads: check_writable's decision stands
+    if kind != writes:
+        raise UsageError(
+            f"{out} holds a {kind}, and --overwrite replaces only a {writes} (what this "
+            f"command writes). Choose another output, or remove {out} first if it may go."
+        )
 
 
 def _cmd_convert(args) -> int:
     from . import io
 
-    _check_outputs(args.dst, {"the source": args.src}, overwrite=None)
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.src, args.dst)
+    _check_outputs(args.dst, {"the source": args.src}, overwrite=args.overwrite,
+                   writes="dataset", storage_options=storage_options)
     info = io.convert(
         args.src, args.dst, dtype=args.dtype, chunk_rows=args.chunk_rows,
-        overwrite=args.overwrite, label_column=args.label_column,
-        storage_options=_storage_options(args.storage_option, args.storage_options_file,
-                                         args.src, args.dst),
+        overwrite=args.overwrite, label_column=args.label_column, columns=args.columns,
+        drop_columns=args.drop_columns, storage_options=storage_options,
         progress=None if args.quiet else _rows_bar("convert"),
     )
     print(f"wrote {args.dst}: {_describe(info)}")
@@ -651,10 +682,13 @@ def _cmd_generate(args) -> int:
             f"{args.kind} is a 2-D set of 2 classes; --features and --classes apply to "
             "blobs and spheres."
         )
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.dst)
+    _check_outputs(args.dst, {}, overwrite=args.overwrite, writes="dataset",
+                   storage_options=storage_options)
     info = io.generate(
         args.kind, args.dst, args.n, chunk_rows=args.chunk_rows, dtype=args.dtype,
-        random_state=args.seed, overwrite=args.overwrite,
-        storage_options=_storage_options(args.storage_option, args.storage_options_file, args.dst),
+        random_state=args.seed, overwrite=args.overwrite, storage_options=storage_options,
         progress=None if args.quiet else _rows_bar("generate"),
         **params,
     )
@@ -691,7 +725,7 @@ def _cmd_fit(args) -> int:
         random_state=args.seed,
     )
     _check_outputs(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint},
-                   overwrite=args.overwrite, storage_options=storage_options)
+                   overwrite=args.overwrite, writes="model", storage_options=storage_options)
     # What the data's metadata allows to check comes before any cluster starts.
     X, _, _ = io.open_dataset(args.store, storage_options=storage_options)
     n, d = X.shape
@@ -741,7 +775,7 @@ def _cmd_predict(args) -> int:
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.model, args.store, args.out)
     _check_outputs(args.out, {"the model": args.model, "the dataset": args.store},
-                   overwrite=args.overwrite, storage_options=storage_options)
+                   overwrite=args.overwrite, writes="labels", storage_options=storage_options)
     model = load(args.model, storage_options=storage_options)
     X, _, _ = io.open_dataset(args.store, storage_options=storage_options)
     n, d = X.shape
@@ -888,6 +922,8 @@ _CLI_SPELLING = (
     ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
     ("even with overwrite=True", "even with --overwrite"),
     ("convert the file first with dkicf.io.convert", "convert the file first with dkicf convert"),
+    ("leave the column out with drop_columns (dkicf convert: --drop-columns)",
+     "leave the column out with --drop-columns"),
     ("needs cores= (per job), e.g. cores=8, memory='32GiB',",
      "needs --cores (per job), e.g. --cores 8 --memory 32GiB,"),
     ("needs memory= (per job), e.g. cores=8, memory='32GiB',",

@@ -1421,7 +1421,39 @@ def _name_or_index(label_column, names: list[str]):
     return label_column
 
 
-def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+def _feature_columns(src: str, names: list[str] | None, width: int, label_idx: int | None,
+                     columns, drop_columns) -> list[int]:
+    """Indices of the feature columns: ``columns`` if given, less ``drop_columns`` and the label.
+
+    Columns are named by header name or by 0-based index (as text from the
+    command line too).
+    """
+    def index(column) -> int:
+        column = _name_or_index(column, names or [])
+        if isinstance(column, str):
+            if not names or column not in names:
+                have = ", ".join(names) if names else "no header row"
+                raise DkicfIOError(f"{src}: no column named {column!r} ({have}).")
+            return names.index(column)
+        if isinstance(column, numbers.Integral) and not isinstance(column, bool):
+            if not -width <= column < width:
+                raise DkicfIOError(f"{src}: column {column} is out of range for {width} columns.")
+            return int(column) % width
+        raise DkicfIOError(f"columns are named by header name or index, got {column!r}.")
+
+    chosen = range(width) if columns is None else [index(c) for c in columns]
+    dropped = {index(c) for c in drop_columns or ()}
+    if label_idx is not None:
+        dropped.add(label_idx)
+    features = [i for i in dict.fromkeys(chosen) if i not in dropped]
+    if not features:
+        raise DkicfIOError(f"{src} has no feature columns left besides the label and those "
+                           "dropped.")
+    return features
+
+
+def _csv_source(path: Path, src: str, label_column, block_rows: int, columns=None,
+                drop_columns=None) -> _Source:
     first = next(_text_lines(path), None)
     if first is None:
         raise DkicfIOError(f"{src} has no data lines.")
@@ -1458,22 +1490,46 @@ def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
             raise DkicfIOError(
                 f"label_column must be a column name or index, got {label_column!r}."
             )
-    features = [i for i in range(width) if i != label_idx]
-    if not features:
-        raise DkicfIOError(f"{src} has no feature columns besides the label.")
+    features = _feature_columns(src, header, width, label_idx, columns, drop_columns)
     skip = 1 if header is not None else 0
+
+    def column_name(i: int) -> str:
+        return f"column {i + 1}" + (f" ({header[i]})" if header else "")
+
+    def locate(block, cols) -> str:
+        """Where in ``block`` a value cannot be read: line and column, counted from 1."""
+        for number, text in block:
+            parts = [part.strip().strip('"') for part in text.split(delimiter)]
+            if len(parts) != width:
+                return f"line {number} has {len(parts)} fields, not {width}"
+            for i in cols:
+                try:
+                    float(parts[i])
+                except ValueError:
+                    return f"line {number}, {column_name(i)}: {parts[i]!r} is not a number"
+        return f"lines {block[0][0]} to {block[-1][0]}"
 
     def parse(block, dtype, cols):
         try:
-            return np.loadtxt(
+            values = np.loadtxt(
                 [text for _, text in block], delimiter=delimiter, usecols=cols, dtype=dtype,
                 ndmin=2 if dtype is np.float64 else 1, comments=None, quotechar='"',
             )
-        except ValueError as exc:
+        except ValueError:
+            where = locate(block, cols if dtype is np.float64 else [])
             raise DkicfIOError(
-                f"{src}, lines {block[0][0]}-{block[-1][0]}: {exc}. Each line needs {width} "
-                "fields; missing or non-numeric values must be fixed first."
-            ) from exc
+                f"{src}, {where} (lines and columns counted from 1, the header included). "
+                "Fix or remove such values first, or leave the column out with "
+                "drop_columns (dkicf convert: --drop-columns)."
+            ) from None
+        if dtype is np.float64 and not np.isfinite(values).all():
+            r, c = (int(v[0]) for v in np.nonzero(~np.isfinite(values)))
+            raise DkicfIOError(
+                f"{src}, line {block[r][0]}, {column_name(cols[c])}: NaN or infinity "
+                "(lines and columns counted from 1, the header included); remove or impute "
+                "such rows before converting."
+            )
+        return values
 
     n = 0
     coder = None
@@ -1563,7 +1619,8 @@ def _svmlight_source(path: Path, src: str, label_column, block_rows: int) -> _So
     return _Source("svmlight", n, d, coder, read)
 
 
-def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns=None,
+                    drop_columns=None) -> _Source:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -1596,7 +1653,9 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Sou
             raise DkicfIOError(
                 f"label_column must be a column name or index, got {label_column!r}."
             )
-    features = [c for c in names if c != label]
+    features = [names[i] for i in _feature_columns(
+        src, names, len(names), None if label is None else names.index(label), columns,
+        drop_columns)]
     numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
     bad = [f"{c} ({schema.field(c).type})" for c in features
            if not any(test(schema.field(c).type) for test in numeric)]
@@ -1643,18 +1702,22 @@ def _is_svmlight(path: Path, lines: int = 100) -> bool:
     return False
 
 
-def _open_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+def _open_source(path: Path, src: str, label_column, block_rows: int, columns=None,
+                 drop_columns=None) -> _Source:
     suffix = path.suffix.lower()
-    if suffix == ".txt" and not _is_svmlight(path):
-        return _csv_source(path, src, label_column, block_rows)
+    table = suffix in (".csv", ".parquet") or (suffix == ".txt" and not _is_svmlight(path))
+    if (columns is not None or drop_columns) and not table:
+        raise DkicfIOError(
+            f"columns and drop_columns apply to .csv and .parquet sources, not {src}."
+        )
+    if table and suffix != ".parquet":
+        return _csv_source(path, src, label_column, block_rows, columns, drop_columns)
+    if suffix == ".parquet":
+        return _parquet_source(path, src, label_column, block_rows, columns, drop_columns)
     if suffix == ".npy":
         return _npy_source(path, src, label_column)
     if suffix == ".npz":
         return _npz_source(path, src, label_column)
-    if suffix == ".csv":
-        return _csv_source(path, src, label_column, block_rows)
-    if suffix == ".parquet":
-        return _parquet_source(path, src, label_column, block_rows)
     return _svmlight_source(path, src, label_column, block_rows)
 
 
@@ -1668,6 +1731,8 @@ def convert(
     storage_options: dict | None = None,
     label_column: str | int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    columns: list[str | int] | None = None,
+    drop_columns: list[str | int] | None = None,
 ) -> dict[str, Any]:
     """Convert a data file to a dataset store, reading it in row blocks.
 
@@ -1711,6 +1776,10 @@ def convert(
         no labels are read from them.
     progress : callable, optional
         Called as ``progress(rows_written, n_samples)`` after every chunk.
+    columns, drop_columns : list of str or int, optional
+        csv and parquet: the feature columns to keep (default: all but the
+        label), and columns to leave out (an id, a text column), by header
+        name or 0-based index.
 
     Returns
     -------
@@ -1751,7 +1820,7 @@ def convert(
         _positive_int(chunk_rows, "chunk_rows")
     # Text sources are read in blocks of this many lines before the width is known.
     block_rows = chunk_rows or 65536
-    source = _open_source(path, src_name, label_column, block_rows)
+    source = _open_source(path, src_name, label_column, block_rows, columns, drop_columns)
     if source.n == 0 or source.d == 0:
         raise DkicfIOError(f"{src_name} is empty: {source.n} rows, {source.d} columns.")
     rows = _resolve_chunk_rows(chunk_rows, source.n, source.d, target)

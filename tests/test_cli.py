@@ -622,3 +622,47 @@ def test_worker_filter_drops_only_dkicf_errors():
     assert keep(record("ZeroDivisionError('division by zero')"))
     assert keep(logging.LogRecord("distributed.worker", logging.ERROR, "w.py", 1, "other",
                                   (), None))
+
+
+def test_overwrite_replaces_only_what_the_command_writes(ring_store, tmp_path, capsys):
+    """convert --overwrite onto a model is refused; onto a dataset it replaces it."""
+    from dkicf.cli import main
+
+    model = tmp_path / "m.zarr"
+    assert main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--rank", "5",
+                 "--out", str(model), "--quiet"]) == 0
+    before = _tree(model)
+    np.save(tmp_path / "x.npy", np.ones((4, 2)))
+    capsys.readouterr()
+    code = main(["convert", str(tmp_path / "x.npy"), str(model), "--overwrite", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a model, and --overwrite replaces only a dataset" in err
+    code = main(["generate", "ring", str(model), "--n", "10", "--overwrite", "--quiet"])
+    assert code == 2 and _tree(model) == before
+    data = tmp_path / "d.zarr"
+    assert main(["convert", str(tmp_path / "x.npy"), str(data), "--quiet"]) == 0
+    assert main(["generate", "ring", str(data), "--n", "10", "--overwrite", "--quiet"]) == 0
+    code = main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--out", str(data),
+                 "--overwrite", "--quiet"])
+    assert code == 2 and "holds a dataset, and --overwrite replaces only a model" in (
+        capsys.readouterr().err)
+
+
+def test_convert_columns_flags(tmp_path, capsys):
+    from dkicf.cli import main
+
+    (tmp_path / "t.csv").write_text("id,a,b,name\n7,1,2,x\n8,3,4,y\n")
+    code = main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "t.zarr"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "line 2, column 4 (name): 'x' is not a number" in err
+    assert "leave the column out with --drop-columns" in err
+    assert main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "t.zarr"),
+                 "--drop-columns", "id,name", "--quiet"]) == 0
+    assert main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "u.zarr"),
+                 "--columns", "b,a", "--quiet"]) == 0
+    from dkicf import io
+
+    np.testing.assert_array_equal(io.open_dataset(str(tmp_path / "t.zarr"))[0].compute(),
+                                  [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(io.open_dataset(str(tmp_path / "u.zarr"))[0].compute(),
+                                  [[2, 1], [4, 3]])

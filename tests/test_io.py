@@ -419,13 +419,13 @@ def test_failed_convert_leaves_no_store(tmp_path):
     rows = [f"{i},{i + 1}" for i in range(40)]
     rows[33] = "1,nan"
     (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
-    with pytest.raises(DkicfIOError, match="row 33 contains NaN"):
+    with pytest.raises(DkicfIOError, match=r"bad.csv, line 34, column 2: NaN or infinity"):
         io.convert(tmp_path / "bad.csv", tmp_path / "d.zarr", chunk_rows=10)
     assert not (tmp_path / "d.zarr").exists()
     assert _leftovers(tmp_path) == []
     rows[33] = "1,x"
     (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
-    with pytest.raises(DkicfIOError, match=r"bad.csv, lines 31-40: could not convert string 'x'"):
+    with pytest.raises(DkicfIOError, match=r"bad.csv, line 34, column 2: 'x' is not a number"):
         io.convert(tmp_path / "bad.csv", tmp_path / "d.zarr", chunk_rows=10)
     assert not (tmp_path / "d.zarr").exists()
     assert _leftovers(tmp_path) == []
@@ -774,3 +774,43 @@ def test_info_on_a_checkpoint_says_how_far_the_fit_got(tmp_path, monkeypatch):
            "max_rank, trace error " in "\n".join(lines)
     assert f"  k-means: finished: 2 run(s), best inertia {km.inertia:.6g}" in lines
     assert not any(line.startswith("  resume:") for line in lines)  # nothing left to do
+
+
+def test_csv_errors_count_lines_and_columns_from_one(tmp_path):
+    """As a spreadsheet shows them: the header is line 1, the first column is column 1."""
+    (tmp_path / "h.csv").write_text("a,b,c,d\n1,2,3,4\n5,6,x,8\n")
+    with pytest.raises(DkicfIOError) as info:
+        io.convert(tmp_path / "h.csv", tmp_path / "h.zarr")
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'h.csv'}, line 3, column 3 (c): 'x' is not a "
+                              "number (lines and columns counted from 1")
+    assert ".." not in message
+    (tmp_path / "s.csv").write_text("1,2,3\n4,5\n")
+    with pytest.raises(DkicfIOError, match=r"s.csv, line 2 has 2 fields, not 3"):
+        io.convert(tmp_path / "s.csv", tmp_path / "s.zarr")
+    assert not (tmp_path / "h.zarr").exists() and not (tmp_path / "s.zarr").exists()
+
+
+def test_convert_keeps_or_drops_columns_by_name_or_index(tmp_path):
+    (tmp_path / "t.csv").write_text("id,a,name,b,class\n7,1.5,x,2,u\n8,3,y,4.5,v\n")
+    info = io.convert(tmp_path / "t.csv", tmp_path / "d.zarr", dtype="float64",
+                      drop_columns=["id", "name"], label_column="class")
+    X, y, _ = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(X, [[1.5, 2], [3, 4.5]])
+    np.testing.assert_array_equal(y, [0, 1])
+    assert info["label_values"] == ["u", "v"]
+    io.convert(tmp_path / "t.csv", tmp_path / "e.zarr", dtype="float64", columns=["3", "a"])
+    np.testing.assert_array_equal(_read(tmp_path / "e.zarr")[0], [[2, 1.5], [4.5, 3]])
+    with pytest.raises(DkicfIOError, match=r"no column named 'nope' \(id, a, name, b, class\)"):
+        io.convert(tmp_path / "t.csv", tmp_path / "f.zarr", drop_columns=["nope"])
+    np.save(tmp_path / "x.npy", np.zeros((3, 2)))
+    with pytest.raises(DkicfIOError, match="apply to .csv and .parquet sources"):
+        io.convert(tmp_path / "x.npy", tmp_path / "g.zarr", columns=[0])
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["p", "q"], "a": [1.0, 2.0], "b": [3, 4]}),
+                   tmp_path / "t.parquet")
+    io.convert(tmp_path / "t.parquet", tmp_path / "p.zarr", dtype="float64",
+               drop_columns=["id"])
+    np.testing.assert_array_equal(_read(tmp_path / "p.zarr")[0], [[1, 3], [2, 4]])
