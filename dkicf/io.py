@@ -1531,6 +1531,10 @@ def _csv_source(path: Path, src: str, label_column, block_rows: int, columns=Non
             )
         return values
 
+    if delimiter is not None:
+        return _arrow_csv_source(path, src, first[0], delimiter, header, width, label_idx,
+                                 features, column_name, locate, block_rows)
+    # Numbers separated by whitespace: numpy.loadtxt reads them.
     n = 0
     coder = None
     if label_idx is None:
@@ -1545,6 +1549,104 @@ def _csv_source(path: Path, src: str, label_column, block_rows: int, columns=Non
         for block in _line_blocks(path, rows, skip):
             Xb = parse(block, np.float64, features)
             yb = None if coder is None else np.char.strip(parse(block, str, [label_idx]))
+            yield Xb, yb
+
+    return _Source("csv", n, len(features), coder, read)
+
+
+def _arrow_csv_source(path: Path, src: str, first_line: int, delimiter: str, header,
+                      width: int, label_idx, features: list[int], column_name, locate,
+                      block_rows: int) -> _Source:
+    """A delimited text file read by ``pyarrow.csv``, in record batches.
+
+    Leading blank and ``#`` lines are skipped, and so are ``#`` lines further
+    down that do not have as many fields as the data.  On a value pyarrow
+    cannot read, the file's lines are scanned once to name the line and
+    column.
+    """
+    try:
+        import pyarrow as pa
+        import pyarrow.csv as pacsv
+    except ImportError as exc:
+        raise DkicfIOError(
+            f"reading {src} needs pyarrow; install it (pip install 'dkicf[parquet]')."
+        ) from exc
+    names = list(header) if header is not None else [f"column{i}" for i in range(width)]
+    skip = first_line - 1 + (header is not None)
+
+    def comment_rows(row) -> str:
+        return "skip" if (row.text or "").lstrip().startswith("#") else "error"
+
+    def batches(include: list[int], rows: int):
+        types = {names[i]: pa.float64() for i in features}
+        if label_idx is not None:
+            types[names[label_idx]] = pa.string()
+        try:
+            yield from pacsv.open_csv(
+                path,
+                read_options=pacsv.ReadOptions(skip_rows=skip, column_names=names,
+                                               block_size=max(rows * width * 24, 1 << 20)),
+                parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"',
+                                                 ignore_empty_lines=True,
+                                                 invalid_row_handler=comment_rows),
+                convert_options=pacsv.ConvertOptions(
+                    include_columns=[names[i] for i in include],
+                    column_types={names[i]: types[names[i]] for i in include},
+                    strings_can_be_null=False, quoted_strings_can_be_null=False),
+            )
+        except pa.ArrowInvalid as exc:
+            where = locate_in_file(include)
+            raise DkicfIOError(
+                f"{src}, {where or exc} (lines and columns counted from 1, the header "
+                "included). Fix or remove such values first, or leave the column out with "
+                "drop_columns (dkicf convert: --drop-columns)."
+            ) from None
+
+    def locate_in_file(include: list[int]) -> str | None:
+        numeric = [i for i in include if i != label_idx]
+        for block in _line_blocks(path, 65536, 1 if header is not None else 0):
+            where = locate(block, numeric)
+            if not where.startswith("lines "):
+                return where
+        return None
+
+    def data_line(index: int) -> int:
+        """Line number of data row ``index`` (from 0), counting blank and '#' lines."""
+        lines = _text_lines(path)
+        if header is not None:
+            next(lines)
+        return next(islice(lines, index, None))[0]
+
+    coder = None
+    n = 0
+    counted = [label_idx] if label_idx is not None else features[:1]
+    if label_idx is not None:
+        coder = _LabelCoder(src)
+    for batch in batches(counted, block_rows):
+        n += batch.num_rows
+        if coder is not None:
+            coder.add(np.char.strip(batch.column(0).to_numpy(zero_copy_only=False)
+                                    .astype(str)))
+
+    def read(rows: int):
+        start = 0
+        include = features + ([label_idx] if label_idx is not None else [])
+        for batch in batches(include, rows):
+            Xb = np.column_stack([batch.column(j).to_numpy(zero_copy_only=False)
+                                  for j in range(len(features))]).astype(np.float64)
+            bad = ~np.isfinite(Xb)
+            if bad.any():
+                r, c = (int(v[0]) for v in np.nonzero(bad))
+                raise DkicfIOError(
+                    f"{src}, line {data_line(start + r)}, {column_name(features[c])}: NaN or "
+                    "infinity (lines and columns counted from 1, the header included); remove "
+                    "or impute such rows before converting."
+                )
+            yb = None
+            if label_idx is not None:
+                yb = np.char.strip(batch.column(len(features)).to_numpy(zero_copy_only=False)
+                                   .astype(str))
+            start += batch.num_rows
             yield Xb, yb
 
     return _Source("csv", n, len(features), coder, read)

@@ -305,17 +305,26 @@ def test_text_sources_are_parsed_block_by_block(tmp_path, monkeypatch):
     (tmp_path / "d.svmlight").write_text(
         "\n".join(f"{i % 2} 1:{a} 2:{b}" for i, (a, b) in enumerate(X)) + "\n"
     )
-    sizes = []
-    real = np.loadtxt
+    # Delimited text: pyarrow's record batches, never the whole file at once.
+    import pyarrow.csv as pacsv
 
-    def spy(lines, *args, **kwargs):
-        lines = list(lines)
-        sizes.append(len(lines))
-        return real(lines, *args, **kwargs)
+    big = np.random.default_rng(0).normal(size=(120_000, 2))
+    np.savetxt(tmp_path / "big.csv", big, delimiter=",", fmt="%.17g")
+    batches = []
+    real_open = pacsv.open_csv
 
-    monkeypatch.setattr(np, "loadtxt", spy)
+    def open_spy(*args, **kwargs):
+        for batch in real_open(*args, **kwargs):
+            batches.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pacsv, "open_csv", open_spy)
+    io.convert(tmp_path / "big.csv", tmp_path / "big.zarr", dtype="float64", chunk_rows=5000)
     io.convert(tmp_path / "d.csv", tmp_path / "c.zarr", dtype="float64", chunk_rows=5)
-    assert sizes == [5, 5, 5, 5, 3]
+    monkeypatch.undo()
+    assert sum(batches) == 2 * 120_000 + 2 * 23  # two passes over each file
+    assert max(batches) < 120_000 / 2
+    np.testing.assert_array_equal(_read(tmp_path / "big.zarr")[0], big)
     blocks = []
     real_blocks = io._line_blocks
 
