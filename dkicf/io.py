@@ -1680,45 +1680,69 @@ def _svmlight_tokens(src: str, number: int, text: str) -> tuple[str, list[tuple[
 
 
 def _svmlight_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
-    """Two passes: the first finds n, the largest index and the labels; the second writes."""
+    """svmlight text read by :func:`sklearn.datasets.load_svmlight_file`, a byte range at a
+    time (``offset``/``length``, whole lines each).
+
+    Two passes: the first finds n, the smallest and largest index and the
+    labels; the second writes dense rows, with 0-based indices only if the
+    file uses index 0 somewhere (one decision for the whole file).
+    """
     if label_column is not None:
         raise DkicfIOError(
             f"label_column does not apply to svmlight files ({src}); their first field is the "
             "label."
         )
+    from sklearn.datasets import load_svmlight_file
+
+    size = path.stat().st_size
+
+    def pieces(window: int, n_features: int, zero_based=True):
+        for offset in range(0, size, window):
+            try:
+                Xs, y = load_svmlight_file(str(path), n_features=n_features,
+                                           zero_based=zero_based, offset=offset, length=window,
+                                           dtype=np.float64)
+            except ValueError as exc:
+                raise DkicfIOError(f"{src}, {_svmlight_problem(path, src) or exc}") from None
+            if Xs.shape[0]:
+                yield Xs, y
+
     coder = _LabelCoder(src)
     n = 0
     low, high = None, -1
-    for block in _line_blocks(path, block_rows):
-        labels = []
-        for number, text in block:
-            label, pairs = _svmlight_tokens(src, number, text)
-            labels.append(label)
-            for index, _ in pairs:
-                if index < 0:
-                    raise DkicfIOError(f"{src}, line {number}: negative feature index {index}.")
-                low = index if low is None else min(low, index)
-                high = max(high, index)
-        coder.add(np.asarray(labels))
-        n += len(block)
+    # The width is not known yet: any index up to int32's range is accepted.
+    for Xs, y in pieces(16 * MiB, n_features=np.iinfo(np.int32).max):
+        n += Xs.shape[0]
+        coder.add(y)
+        if Xs.nnz:
+            low = int(Xs.indices.min()) if low is None else min(low, int(Xs.indices.min()))
+            high = max(high, int(Xs.indices.max()))
     if n == 0:
         raise DkicfIOError(f"{src} has no data lines.")
     # Indices start at 1 in the format; a file that uses index 0 is zero-based.
     base = 0 if low == 0 else 1
     d = max(high - base + 1, 1)
+    # Byte ranges of about block_rows lines: dense blocks of bounded size.
+    window = max(int(block_rows * size / n), 1 << 16)
 
     def read(rows: int):
-        for block in _line_blocks(path, rows):
-            Xb = np.zeros((len(block), d))
-            labels = []
-            for r, (number, text) in enumerate(block):
-                label, pairs = _svmlight_tokens(src, number, text)
-                labels.append(label)
-                for index, value in pairs:
-                    Xb[r, index - base] = value
-            yield Xb, np.asarray(labels)
+        for Xs, y in pieces(window, n_features=d, zero_based=base == 0):
+            yield Xs.toarray(), y
 
     return _Source("svmlight", n, d, coder, read)
+
+
+def _svmlight_problem(path: Path, src: str) -> str | None:
+    """The first line of an svmlight file that load_svmlight_file refused, and why."""
+    for number, text in _text_lines(path):
+        try:
+            _, pairs = _svmlight_tokens(src, number, text)
+        except DkicfIOError as exc:
+            return str(exc).removeprefix(f"{src}, ")
+        for index, _ in pairs:
+            if index < 0:
+                return f"line {number}: negative feature index {index}."
+    return None
 
 
 def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns=None,
@@ -1728,7 +1752,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise DkicfIOError(
-            f"reading {src} needs pyarrow; install it (pip install 'dkicf[data]')."
+            f"reading {src} needs pyarrow; install it (pip install 'dkicf[parquet]')."
         ) from exc
     try:
         pf = pq.ParquetFile(path)

@@ -325,19 +325,32 @@ def test_text_sources_are_parsed_block_by_block(tmp_path, monkeypatch):
     assert sum(batches) == 2 * 120_000 + 2 * 23  # two passes over each file
     assert max(batches) < 120_000 / 2
     np.testing.assert_array_equal(_read(tmp_path / "big.zarr")[0], big)
-    blocks = []
-    real_blocks = io._line_blocks
+    # svmlight: scikit-learn's reader on byte ranges of about chunk_rows lines.
+    import sklearn.datasets
+    from sklearn.datasets import dump_svmlight_file
 
-    def block_spy(path, rows, skip=0):
-        for block in real_blocks(path, rows, skip):
-            blocks.append(len(block))
-            yield block
+    labels = np.arange(120_000) % 3
+    dump_svmlight_file(big, labels, str(tmp_path / "big.svm"))
+    rows = []
+    real_load = sklearn.datasets.load_svmlight_file
 
-    monkeypatch.setattr(io, "_line_blocks", block_spy)
+    def load_spy(*args, **kwargs):
+        assert "offset" in kwargs and "length" in kwargs
+        X, y = real_load(*args, **kwargs)
+        rows.append(X.shape[0])
+        return X, y
+
+    monkeypatch.setattr(sklearn.datasets, "load_svmlight_file", load_spy)
+    io.convert(tmp_path / "big.svm", tmp_path / "bs.zarr", dtype="float64", chunk_rows=5000)
     io.convert(tmp_path / "d.svmlight", tmp_path / "s.zarr", dtype="float64", chunk_rows=4)
-    # Two passes over the file, each in blocks of at most 4 lines.
-    assert blocks == [4, 4, 4, 4, 4, 3] * 2
     monkeypatch.undo()
+    assert sum(rows) == 2 * 120_000 + 2 * 23  # two passes over each file
+    # The first pass reads 16 MiB at a time (this file: once), the second about 5000 lines.
+    assert rows[0] == 120_000 and len(rows) > 20 and max(rows[1:]) < 5500
+    got, y, _ = _read(tmp_path / "bs.zarr")
+    whole, _ = real_load(str(tmp_path / "big.svm"))  # read at once: the reference
+    np.testing.assert_array_equal(got, whole.toarray())
+    np.testing.assert_array_equal(y, labels)
     np.testing.assert_array_equal(_read(tmp_path / "c.zarr")[0], X)
     np.testing.assert_array_equal(_read(tmp_path / "s.zarr")[0], X)
 

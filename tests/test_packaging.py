@@ -104,3 +104,17 @@ def test_the_cli_takes_its_cluster_and_fit_defaults_from_dask_config(tmp_path, m
         args = build_parser(["fit"]).parse_args(["fit", "d.zarr", "--clusters", "2",
                                                  "--out", "o.zarr"])
     assert args.rank == 7
+
+
+def test_extras_split_parquet_from_datasets():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert "data" not in extras
+    assert set(_requirements(extras["parquet"])) == {"pyarrow"}
+    assert set(_requirements(extras["datasets"])) == {"pooch"}
+    # What the messages tell users to install exists.
+    import re
+
+    for module in ("io", "datasets"):
+        text = (REPO / "dkicf" / f"{module}.py").read_text()
+        for extra in re.findall(r"dkicf\[(\w+)\]", text):
+            assert extra in extras, (module, extra)
