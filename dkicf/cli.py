@@ -277,8 +277,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert .npy/.npz/.csv/svmlight/Parquet to Zarr")
     p.add_argument("src", help="the file to convert (.npy, .npz, .csv, .svm/.libsvm "
-                               "svmlight, .parquet; .txt: svmlight if it has index:value "
-                               "fields, else delimited numbers like .csv)")
+                               "svmlight, .parquet or a directory of Parquet files; .txt: "
+                               "svmlight if it has index:value fields, else delimited numbers "
+                               "like .csv)")
     p.add_argument("dst", help="the Zarr group to write (path or fsspec URL)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="dtype of X in the store (default: float32, half the memory; "

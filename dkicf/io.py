@@ -1749,16 +1749,17 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns
                     drop_columns=None) -> _Source:
     try:
         import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow.dataset as pads
     except ImportError as exc:
         raise DkicfIOError(
             f"reading {src} needs pyarrow; install it (pip install 'dkicf[parquet]')."
         ) from exc
     try:
-        pf = pq.ParquetFile(path)
+        # A file, or a directory of them (a partitioned data set), as one table.
+        pf = pads.dataset(path, format="parquet")
     except (OSError, pa.ArrowException) as exc:
         raise DkicfIOError(f"cannot read {src} as Parquet: {exc}") from exc
-    schema = pf.schema_arrow
+    schema = pf.schema
     names = list(schema.names)
     label = None
     if label_column is not None:
@@ -1795,7 +1796,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns
     coder = None
     if label is not None:
         coder = _LabelCoder(src)
-        for batch in pf.iter_batches(batch_size=block_rows, columns=[label]):
+        for batch in pf.to_batches(batch_size=block_rows, columns=[label]):
             column = batch.column(0)
             if column.null_count:
                 raise DkicfIOError(f"{src}: label column {label!r} has missing values.")
@@ -1803,7 +1804,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns
 
     def read(rows: int):
         columns = features + ([label] if label is not None else [])
-        for batch in pf.iter_batches(batch_size=rows, columns=columns):
+        for batch in pf.to_batches(batch_size=rows, columns=columns):
             Xb = np.column_stack(
                 [batch.column(i).to_numpy(zero_copy_only=False).astype(np.float64)
                  for i in range(len(features))]
@@ -1813,7 +1814,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns
                 yb = batch.column(len(features)).to_numpy(zero_copy_only=False)
             yield Xb, yb
 
-    return _Source("parquet", pf.metadata.num_rows, len(features), coder, read)
+    return _Source("parquet", pf.count_rows(), len(features), coder, read)
 
 
 def _is_svmlight(path: Path, lines: int = 100) -> bool:
@@ -1830,7 +1831,7 @@ def _is_svmlight(path: Path, lines: int = 100) -> bool:
 
 def _open_source(path: Path, src: str, label_column, block_rows: int, columns=None,
                  drop_columns=None) -> _Source:
-    suffix = path.suffix.lower()
+    suffix = ".parquet" if path.is_dir() else path.suffix.lower()
     table = suffix in (".csv", ".parquet") or (suffix == ".txt" and not _is_svmlight(path))
     if (columns is not None or drop_columns) and not table:
         raise DkicfIOError(
@@ -1873,8 +1874,11 @@ def convert(
     blocks of lines, first for the size and labels; indices are 1-based
     unless the file uses index 0; written dense), other ``.txt`` files as
     ``.csv`` (delimited numbers, as :func:`numpy.loadtxt` reads them) and
-    ``.parquet`` (numeric columns, read batch by batch).  Large sources are
-    never loaded whole.
+    ``.parquet`` files and directories of them (a partitioned data set, read
+    with ``pyarrow.dataset``; numeric columns, read batch by batch).
+    Delimited text goes through ``pyarrow.csv`` and svmlight through
+    :func:`sklearn.datasets.load_svmlight_file` on byte ranges.  Large
+    sources are never loaded whole.
 
     Labels (``y`` of an .npz, the first field of svmlight lines, the
     ``label_column`` of a csv/parquet file) are stored as int64 class indices
@@ -1934,12 +1938,13 @@ def convert(
     src_name = os.fspath(src)
     dst = os.fspath(dst)
     target = _target_dtype(dtype)
-    if path.suffix.lower() not in _SUFFIXES:
+    parquet_dir = path.is_dir() and any(path.rglob("*.parquet"))
+    if path.suffix.lower() not in _SUFFIXES and not parquet_dir:
         raise DkicfIOError(
             f"cannot convert {src_name}: unknown file type {path.suffix!r}; supported: "
             f"{', '.join(_SUFFIXES)}."
         )
-    if not path.is_file():
+    if not path.is_file() and not parquet_dir:
         raise DkicfIOError(f"cannot convert {src_name}: no such file.")
     check_writable(dst, overwrite=overwrite, storage_options=storage_options)
     if chunk_rows is not None:

@@ -836,3 +836,21 @@ def test_convert_keeps_or_drops_columns_by_name_or_index(tmp_path):
     io.convert(tmp_path / "t.parquet", tmp_path / "p.zarr", dtype="float64",
                drop_columns=["id"])
     np.testing.assert_array_equal(_read(tmp_path / "p.zarr")[0], [[1, 3], [2, 4]])
+
+
+def test_convert_a_directory_of_parquet_files(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    parts = tmp_path / "table"
+    parts.mkdir()
+    rng = np.random.default_rng(0)
+    frames = [rng.normal(size=(7, 2)), rng.normal(size=(5, 2))]
+    for i, X in enumerate(frames):
+        pq.write_table(pa.table({"a": X[:, 0], "b": X[:, 1], "y": [i] * len(X)}),
+                       parts / f"part-{i}.parquet")
+    info = io.convert(parts, tmp_path / "d.zarr", dtype="float64", label_column="y")
+    X, y, _ = _read(tmp_path / "d.zarr")
+    assert info["format"] == "parquet" and info["n_samples"] == 12
+    np.testing.assert_array_equal(X, np.vstack(frames))
+    np.testing.assert_array_equal(y, [0] * 7 + [1] * 5)
