@@ -22,6 +22,23 @@ def dkicf(*args, cwd, timeout=300):
 CLUSTER = ("--workers", "2", "--threads", "1", "--memory-limit", "1GiB", "--quiet")
 
 
+def run_main(capsys, *args, cwd=None):
+    """``dkicf ARGS`` in this process (no interpreter to start): (status, stdout, stderr)."""
+    from dkicf.cli import main
+
+    old = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    finally:
+        os.chdir(old)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.fixture(scope="module")
 def ring_store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
@@ -107,17 +124,18 @@ def test_a_model_without_p_predicts_the_same(ring_store, tmp_path, p_storage):
                                                           "slim.zarr"]
 
 
-def test_existing_output_is_refused_and_left_intact(ring_store):
+def test_existing_output_is_refused_and_left_intact(ring_store, capsys):
     tmp = ring_store
     out = tmp / "keep.zarr"
     out.mkdir()
     (out / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group",
                                                "attributes": {"mine": 1}}))
     before = (out / "zarr.json").read_bytes()
-    proc = dkicf("fit", "ring.zarr", "--clusters", "2", "--out", out, *CLUSTER, cwd=tmp)
-    assert proc.returncode == 2
-    assert "already exists" in proc.stderr and "overwrite" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = run_main(capsys, "fit", "ring.zarr", "--clusters", "2", "--out", out,
+                            *CLUSTER, cwd=tmp)
+    assert code == 2
+    assert "already exists" in err and "overwrite" in err
+    assert "Traceback" not in err
     assert (out / "zarr.json").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["zarr.json"]
 
@@ -156,23 +174,26 @@ def test_errors_are_one_line_with_status_2_for_usage_and_1_for_the_rest(
     assert len(err.strip().splitlines()) <= 2
 
 
-def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path):
+def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path, capsys):
     import zarr
+
+    from dkicf.io import DkicfIOError
 
     g = zarr.open_group(str(tmp_path / "g.zarr"), mode="w")
     g.create_group("sub")
-    proc = dkicf("fit", tmp_path / "g.zarr", "--clusters", "2", "--out", tmp_path / "o.zarr",
-                 *CLUSTER, cwd=tmp_path)
-    assert proc.returncode == 1 and "without an array X" in proc.stderr
-    debug = dkicf("--debug", "info", tmp_path / "missing.zarr", cwd=tmp_path)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    code, _, err = run_main(capsys, "fit", tmp_path / "g.zarr", "--clusters", "2", "--out",
+                            tmp_path / "o.zarr", *CLUSTER, cwd=tmp_path)
+    assert code == 1 and "without an array X" in err
+    with pytest.raises(DkicfIOError, match="no Zarr store"):  # --debug: the exception itself
+        run_main(capsys, "--debug", "info", tmp_path / "missing.zarr", cwd=tmp_path)
 
 
-def test_labels_of_the_wrong_length_are_refused(tmp_path):
+def test_labels_of_the_wrong_length_are_refused(tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", X=np.zeros((10, 2)), y=np.zeros(9, dtype=int))
-    proc = dkicf("convert", tmp_path / "bad.npz", tmp_path / "bad.zarr", cwd=tmp_path)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "9" in proc.stderr and "10" in proc.stderr
+    code, _, err = run_main(capsys, "convert", tmp_path / "bad.npz", tmp_path / "bad.zarr",
+                            cwd=tmp_path)
+    assert code == 1 and "Traceback" not in err
+    assert "9" in err and "10" in err
     assert not (tmp_path / "bad.zarr").exists()
 
 
@@ -199,6 +220,7 @@ def test_generate_writes_chunk_by_chunk(tmp_path):
     assert sorted(np.unique(g["y"][...])) == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
     """X is twice the worker's memory limit; the fit completes and the worker stays below it."""
     import dask
@@ -301,25 +323,27 @@ def _tree(path):
      "model.zarr"),
     (lambda t: ("predict", t / "model.zarr", t / "in.zarr", "--out", t / "in.zarr"), "in.zarr"),
 ])
-def test_an_output_that_is_an_input_is_refused_even_with_overwrite(tmp_path, make_args, victim):
+def test_an_output_that_is_an_input_is_refused_even_with_overwrite(tmp_path, make_args, victim,
+                                                                   capsys):
     import zarr
 
     for name in ("in.zarr", "model.zarr"):
         g = zarr.open_group(str(tmp_path / name), mode="w")
         g.create_array("X", data=np.arange(12.0).reshape(6, 2))
     before = {name: _tree(tmp_path / name) for name in ("in.zarr", "model.zarr")}
-    proc = dkicf(*make_args(tmp_path), "--overwrite", *CLUSTER, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert "would replace data this run reads" in proc.stderr and "Traceback" not in proc.stderr
-    assert victim in proc.stderr
+    code, _, err = run_main(capsys, *make_args(tmp_path), "--overwrite", *CLUSTER,
+                            cwd=tmp_path)
+    assert code == 2, err
+    assert "would replace data this run reads" in err and "Traceback" not in err
+    assert victim in err
     for name, tree in before.items():
         assert _tree(tmp_path / name) == tree
 
 
-def test_resume_without_checkpoint_is_refused(ring_store):
-    proc = dkicf("fit", "ring.zarr", "--clusters", "2", "--resume", "--out", "r.zarr",
-                 *CLUSTER, cwd=ring_store)
-    assert proc.returncode == 2 and "--resume" in proc.stderr and "--checkpoint" in proc.stderr
+def test_resume_without_checkpoint_is_refused(ring_store, capsys):
+    code, _, err = run_main(capsys, "fit", "ring.zarr", "--clusters", "2", "--resume", "--out",
+                            "r.zarr", *CLUSTER, cwd=ring_store)
+    assert code == 2 and "--resume" in err and "--checkpoint" in err
     assert not (ring_store / "r.zarr").exists()
 
 
