@@ -285,7 +285,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="dtype of X in the store (default: float32, half the memory; "
                         "float64 keeps float64 input exact)")
     p.add_argument("--chunk-rows", type=_positive_int,
-                   help="rows per chunk (default: chunks of about 16 MiB)")
+                   help="rows per chunk (default: dask's auto chunking, chunks of the "
+                        "array.chunk-size setting, 128 MiB unless configured)")
     p.add_argument("--label-column",
                    help="label column (csv, Parquet): its name in the header, else a 0-based "
                         "index (-1: the last column)")
@@ -310,7 +311,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64",
                    help="dtype of X (default: float64)")
     p.add_argument("--chunk-rows", type=_positive_int,
-                   help="rows per chunk (default: chunks of about 16 MiB)")
+                   help="rows per chunk (default: dask's auto chunking, chunks of the "
+                        "array.chunk-size setting, 128 MiB unless configured)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing Zarr store at DST (only when the new one is complete)")

@@ -72,7 +72,6 @@ __all__ = [
     "check_not_input",
     "check_store_safe",
     "check_writable",
-    "choose_row_chunk",
     "convert",
     "fingerprint",
     "generate",
@@ -1034,59 +1033,6 @@ def read_group(
 # chunking
 
 
-def choose_row_chunk(
-    n_features: int,
-    itemsize: int,
-    *,
-    target_bytes: int = 16 * MiB,
-    min_bytes: int = MiB,
-    max_bytes: int | None = None,
-) -> int:
-    """Rows per chunk for an ``(n, n_features)`` array of ``itemsize``-byte values.
-
-    The rule: ``rows = target_bytes // row_bytes``, raised to
-    ``ceil(min_bytes / row_bytes)`` if that is larger, then lowered to
-    ``max_bytes // row_bytes`` when ``max_bytes`` is given, and at least 1.
-    Chunks of 1 MiB or more keep object-store reads efficient; 16 MiB keeps a
-    chunk, its float64 copy and the kernel block built from it well inside a
-    worker's memory.  Callers clip the result to the number of rows.
-
-    Parameters
-    ----------
-    n_features : int
-        Columns (all in one chunk).
-    itemsize : int
-        Bytes per value (4 for float32, 8 for float64).
-    target_bytes : int, default=16 MiB
-        Aim for chunks of this size.
-    min_bytes : int, default=1 MiB
-        Never smaller, unless ``max_bytes`` says so.
-    max_bytes : int, optional
-        Never larger (except a single row that is larger by itself).
-
-    Returns
-    -------
-    int
-
-    Examples
-    --------
-    >>> choose_row_chunk(2, 8)
-    1048576
-    >>> choose_row_chunk(1000, 4, max_bytes=2 << 20)
-    524
-    """
-    n_features = _positive_int(n_features, "n_features")
-    itemsize = _positive_int(itemsize, "itemsize")
-    target_bytes = _positive_int(target_bytes, "target_bytes")
-    min_bytes = _positive_int(min_bytes, "min_bytes")
-    row_bytes = n_features * itemsize
-    rows = max(target_bytes // row_bytes, -(-min_bytes // row_bytes))
-    if max_bytes is not None:
-        max_bytes = _positive_int(max_bytes, "max_bytes")
-        rows = min(rows, max_bytes // row_bytes)
-    return max(rows, 1)
-
-
 def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}.")
@@ -1096,8 +1042,13 @@ def _positive_int(value, name: str) -> int:
 
 
 def _resolve_chunk_rows(chunk_rows, n: int, d: int, dtype: np.dtype) -> int:
+    """Rows per chunk: ``chunk_rows``, else dask's ``"auto"`` rule for all columns in one
+    chunk, which follows the ``array.chunk-size`` setting (128 MiB unless configured)."""
     if chunk_rows is None:
-        chunk_rows = choose_row_chunk(d, dtype.itemsize)
+        from dask.array.core import normalize_chunks
+
+        chunk_rows = normalize_chunks(("auto", -1), shape=(max(n, 1), max(d, 1)),
+                                      dtype=dtype)[0][0]
     return min(_positive_int(chunk_rows, "chunk_rows"), max(n, 1))
 
 
@@ -1895,7 +1846,8 @@ def convert(
         dtype of the stored X.
     chunk_rows : int, optional
         Rows per chunk, and rows per block read from the source; by default
-        :func:`choose_row_chunk`.
+        dask's ``"auto"`` chunking (the ``array.chunk-size`` setting, 128 MiB
+        unless configured), all columns in one chunk.
     overwrite : bool, default=False
         Replace an existing store at ``dst`` (only after the new one is
         complete, for local paths).
@@ -2022,7 +1974,8 @@ def generate(
     n : int
         Number of rows.
     chunk_rows : int, optional
-        Rows per chunk; by default :func:`choose_row_chunk`.
+        Rows per chunk; by default dask's ``"auto"`` chunking (the
+        ``array.chunk-size`` setting), all columns in one chunk.
     dtype : {"float64", "float32"}, default="float64"
         dtype of the stored X.
     random_state : int, default=0

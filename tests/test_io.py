@@ -65,26 +65,17 @@ def _pickle_store_v2(root: Path, marker: Path) -> Path:
 # chunk size rule
 
 
-def test_choose_row_chunk_rule():
-    assert io.choose_row_chunk(2, 8) == 16 * 2**20 // 16
-    assert io.choose_row_chunk(1000, 4) == 16 * 2**20 // 4000
-    assert io.choose_row_chunk(1000, 4, max_bytes=2 * 2**20) == 2 * 2**20 // 4000
-    # min_bytes wins over a small target, max_bytes wins over both.
-    assert io.choose_row_chunk(10, 8, target_bytes=800, min_bytes=8000) == 100
-    assert io.choose_row_chunk(10, 8, target_bytes=800, min_bytes=8000, max_bytes=160) == 2
-    # A row larger than the target still gives one row per chunk.
-    assert io.choose_row_chunk(10**7, 8) == 1
-    rows = io.choose_row_chunk(37, 4)
-    assert 2**20 <= rows * 37 * 4 <= 16 * 2**20
-    with pytest.raises(ValueError, match="n_features must be >= 1"):
-        io.choose_row_chunk(0, 8)
-    with pytest.raises(TypeError, match="itemsize must be an integer"):
-        io.choose_row_chunk(3, 8.0)
+def test_default_chunks_follow_dasks_chunk_size_setting(tmp_path):
+    """Without chunk_rows, dask's "auto" rule sizes the row chunks, from array.chunk-size."""
+    import dask
 
-
-# --------------------------------------------------------------------------
-# convert: round trips for every format
-
+    np.save(tmp_path / "x.npy", np.zeros((5000, 10), dtype=np.float32))
+    for size, rows in (("8KiB", 8192 // 80), ("40KiB", 40960 // 80), ("128MiB", 5000)):
+        with dask.config.set({"array.chunk-size": size}):
+            info = io.convert(tmp_path / "x.npy", tmp_path / f"{size}.zarr", dtype="float64")
+            generated = io.generate("blobs", tmp_path / f"g{size}.zarr", 5000, n_features=10)
+        assert info["chunk_rows"] == rows, size
+        assert generated["chunk_rows"] == rows, size
 
 def test_convert_npy_round_trip(tmp_path):
     X = np.random.default_rng(0).normal(size=(103, 3))
