@@ -1404,17 +1404,22 @@ def test_dockerfile_is_pinned_non_root_and_passes_commands_through():
         assert ignored(unwanted), unwanted
 
 
-def _cli_fit(tmp_path, name, *extra):
-    import zarr
-
+def _ring_store(directory: Path) -> Path:
     from dkicf import io
     from dkicf.synthetic import make_ring
 
-    data = tmp_path / "ring.zarr"
+    data = directory / "ring.zarr"
     if not data.exists():
         X, y = make_ring(1500, random_state=0)
-        np.savez(tmp_path / "ring.npz", X=X, y=y)
-        io.convert(tmp_path / "ring.npz", data, dtype="float64", chunk_rows=400)
+        np.savez(directory / "ring.npz", X=X, y=y)
+        io.convert(directory / "ring.npz", data, dtype="float64", chunk_rows=400)
+    return data
+
+
+def _cli_fit(tmp_path, name, *extra, data=None):
+    import zarr
+
+    data = _ring_store(tmp_path) if data is None else data
     out = tmp_path / f"{name}.zarr"
     proc = subprocess.run(
         [sys.executable, "-m", "dkicf.cli", "fit", str(data), "--clusters", "2", "--gamma", "16",
@@ -1426,13 +1431,21 @@ def _cli_fit(tmp_path, name, *extra):
     return group["pivots"][...], group["P"][...], group["labels"][...]
 
 
-def test_cli_fit_on_an_existing_scheduler_matches_the_builtin_cluster(processes, tmp_path):
+@pytest.fixture(scope="module")
+def local_fit(tmp_path_factory):
+    """The reference: the ring fitted on dkicf's own LocalCluster, once for this module."""
+    tmp = tmp_path_factory.mktemp("local-fit")
+    return (_ring_store(tmp), *_cli_fit(tmp, "local", "--workers", "2"))
+
+
+def test_cli_fit_on_an_existing_scheduler_matches_the_builtin_cluster(processes, tmp_path,
+                                                                      local_fit):
+    data, ref_pivots, ref_P, ref_labels = local_fit
     scheduler_file, _ = _start_dask(processes, tmp_path)
     with connect(scheduler_file=scheduler_file, timeout=START_TIMEOUT) as remote:
         _wait_for_workers(remote, 2, processes)
         address = remote.scheduler.address
-    pivots, P, labels = _cli_fit(tmp_path, "remote", "--scheduler", address)
-    ref_pivots, ref_P, ref_labels = _cli_fit(tmp_path, "local", "--workers", "2")
+    pivots, P, labels = _cli_fit(tmp_path, "remote", "--scheduler", address, data=data)
     assert_array_equal(pivots, ref_pivots)
     assert_allclose(P, ref_P, rtol=0, atol=1e-10)
     assert_array_equal(labels, ref_labels)
@@ -1538,13 +1551,13 @@ def test_cli_kubernetes_default_memory_limit_gives_pods_a_size(monkeypatch, crd_
     assert len(seen) == 2
 
 
-def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path):
+def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path, local_fit):
     """--cluster slurm without TLS flags: mutual TLS, and the fit waits for queued jobs."""
     pytest.importorskip("dask_jobqueue")
     pytest.importorskip("cryptography")
     import zarr
 
-    ref_pivots, ref_P, ref_labels = _cli_fit(tmp_path, "local", "--workers", "2")
+    data, ref_pivots, ref_P, ref_labels = local_fit
     stubs = tmp_path / "bin"
     stubs.mkdir()
     _write_executable(stubs / "sbatch", _SBATCH)
@@ -1554,7 +1567,7 @@ def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path):
     out = tmp_path / "slurm.zarr"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dkicf.cli", "fit", str(tmp_path / "ring.zarr"),
+            [sys.executable, "-m", "dkicf.cli", "fit", str(data),
              "--clusters", "2", "--gamma", "16", "--rank", "30", "--out", str(out),
              "--cluster", "slurm", "--jobs", "2", "--cores", "1", "--memory", "1GiB",
              "--interface", "lo", "--worker-timeout", str(START_TIMEOUT)],
