@@ -956,6 +956,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dkicf`` command."""
     if argv is None:
         argv = sys.argv[1:]
+    if argv == ["--version"]:  # without building the parser, which reads dask's configuration
+        from . import __version__
+
+        print(f"dkicf {__version__}")
+        return 0
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not args.debug:
