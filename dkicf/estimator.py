@@ -138,8 +138,7 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
     >>> from dkicf import KernelKMeans
     >>> from dkicf.synthetic import make_ring
     >>> X, y = make_ring(400, random_state=0)
-    >>> model = KernelKMeans(n_clusters=2, gamma=16.0, rank=50, n_init=10,
-    ...                      random_state=0).fit(X)
+    >>> model = KernelKMeans(n_clusters=2, gamma=16.0, rank=50, random_state=0).fit(X)
     >>> from dkicf.metrics import clustering_accuracy
     >>> clustering_accuracy(y, model.labels_)
     1.0
