@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
-__all__ = ["get_client", "local_cluster"]
+__all__ = ["all_workers", "get_client", "local_cluster"]
+
+
+def all_workers(client) -> dict:
+    """Every worker the scheduler knows, as ``{address: info}``.
+
+    ``Client.scheduler_info()`` lists only the first few workers by default
+    on some versions of distributed (five on 2025.4 to 2026.6); counting them
+    would make a cluster of more look short of workers.  Every count of
+    workers in dkicf goes through here.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        Or anything with a ``scheduler_info`` method.
+
+    Returns
+    -------
+    dict
+        The ``"workers"`` entry of the scheduler's information.
+    """
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except TypeError:  # distributed < 2025.4: no such argument, every worker listed
+        info = client.scheduler_info()
+    return dict(info.get("workers", {}))
 
 
 def get_client(client=None, *, timeout: float = 10.0):
@@ -40,7 +65,8 @@ def get_client(client=None, *, timeout: float = 10.0):
     except ValueError:
         raise RuntimeError(
             "dask input needs a distributed cluster and none is running in this process. "
-            "Start one first, for example `client = dkicf.local_cluster()`, or pass client=."
+            "Start one first: `client = dkicf.local_cluster()` for workers on this machine, "
+            "or `distributed.Client(address)` to connect to a running scheduler."
         ) from None
 
 

@@ -5,15 +5,45 @@ driver, and the local worker processes it spawned.  The driver stops the fit
 and closes the cluster (which ends its workers); workers that took the
 signal themselves would only print tracebacks of their interrupted event
 loops on the way.  So they ignore it.
+
+A task that fails with one of dkicf's own errors (NaN in X, a missing chunk)
+is reported by the driver in one line; the worker's "Compute Failed" dump of
+the same error is dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 
 
+def _own_error_names() -> set[str]:
+    """Class names of the errors that dkicf raises in tasks and reports itself."""
+    from . import io  # noqa: F401 - defines the errors of reading stores
+    from ._chunk import NonFiniteError
+    from .errors import DkicfError
+
+    names, todo = set(), [DkicfError, NonFiniteError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+class _OwnErrorsFilter(logging.Filter):
+    """Drops distributed's "Compute Failed" record of a task that raised a dkicf error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Compute Failed") or len(record.args or ()) < 4:
+            return True
+        text = str(record.args[3])
+        return text.split("(", 1)[0] not in _own_error_names()
+
+
 def dask_setup(worker) -> None:
-    """Make this worker process ignore SIGINT (the driver ends it)."""
+    """Make this worker process ignore SIGINT (the driver ends it); quiet dkicf's errors."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("distributed.worker").addFilter(_OwnErrorsFilter())

@@ -20,6 +20,10 @@ from pathlib import Path
 logger = logging.getLogger("dkicf")
 
 
+# Factorization iterations between the commits of --checkpoint, unless --checkpoint-every.
+_CHECKPOINT_EVERY = 25
+
+
 class UsageError(Exception):
     """A problem with the command's input that the user can fix (exit status 2)."""
 
@@ -72,13 +76,24 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                    help="connect to an existing scheduler (tcp://host:port or tls://host:port)")
     g.add_argument("--scheduler-file", metavar="FILE",
                    help="connect to the scheduler described by this file")
-    g.add_argument("--cluster", choices=["local", "kubernetes", "slurm", "pbs"], default="local",
-                   help="cluster to start when no scheduler is given (default: local)")
-    g.add_argument("--workers", type=int, default=2, help="local workers (default: 2)")
-    g.add_argument("--threads", type=int, default=1, help="threads per local worker (default: 1)")
-    g.add_argument("--memory-limit", default="auto",
-                   help="memory limit per worker, e.g. 4GiB (local default: auto, the "
-                        "machine's memory shared among the workers; kubernetes default: 4GiB)")
+    from ._config import get
+
+    g.add_argument("--cluster", choices=["local", "kubernetes", "slurm", "pbs"], default=None,
+                   help="cluster to start when no scheduler is given (default: none for data "
+                        "that fit in memory, which run in this process on numpy; else local). "
+                        "--cluster local, or any of --workers, --threads, --memory-limit and "
+                        "--dashboard, starts a local cluster whatever the size")
+    g.add_argument("--workers", type=_positive_int, default=None,
+                   help=f"local or kubernetes workers (default: {get('cluster.workers')}, "
+                        "dask config dkicf.cluster.workers)")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help=f"threads per worker (default: {get('cluster.threads')}, "
+                        "dask config dkicf.cluster.threads)")
+    g.add_argument("--memory-limit", default=None,
+                   help="memory limit per worker, e.g. 4GiB (local default: "
+                        f"{get('cluster.memory-limit')}, dask config dkicf.cluster.memory-limit; "
+                        "auto: the machine's memory shared among the workers; kubernetes "
+                        "default: 4GiB)")
     g.add_argument("--dashboard", action="store_true",
                    help="serve the dask dashboard (on 127.0.0.1 only)")
     g.add_argument("--tls-ca-file",
@@ -86,18 +101,23 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                         "--cluster slurm/pbs starts (default there: throwaway certificates)")
     g.add_argument("--tls-cert", help="certificate of this process (and of slurm/pbs workers)")
     g.add_argument("--tls-key", help="private key of --tls-cert")
-    g.add_argument("--jobs", type=int, default=1, help="batch jobs (slurm/pbs)")
-    g.add_argument("--cores", type=int, default=2, help="cores per job (slurm/pbs)")
-    g.add_argument("--memory", default="8GiB",
-                   help="memory per job (slurm/pbs; default: 8GiB)")
-    g.add_argument("--walltime", default="01:00:00", help="walltime per job (slurm/pbs)")
-    g.add_argument("--queue", default=None, help="queue or partition (slurm/pbs)")
-    g.add_argument("--processes", type=int, default=1, help="worker processes per job")
+    g.add_argument("--jobs", type=int, default=1, help="batch jobs (slurm/pbs; default: 1)")
+    site = " (slurm/pbs; default: the site's jobqueue.yaml, jobqueue.<kind>.{})"
+    g.add_argument("--cores", type=int, default=None, help="cores per job" + site.format("cores"))
+    g.add_argument("--memory", default=None,
+                   help="memory per job, e.g. 120GiB" + site.format("memory"))
+    g.add_argument("--walltime", default=None,
+                   help="walltime per job, e.g. 04:00:00" + site.format("walltime"))
+    g.add_argument("--queue", default=None,
+                   help="queue or partition" + site.format("queue"))
+    g.add_argument("--processes", type=int, default=None,
+                   help="worker processes per job (slurm/pbs; default: the site's "
+                        "jobqueue.<kind>.processes, else 1)")
     g.add_argument("--interface",
                    help="network interface, e.g. ib0, that the scheduler listens on and the "
                         "workers use (slurm/pbs; default: the scheduler listens on every "
                         "interface; either way it accepts mutual TLS only)")
-    g.add_argument("--account", help="account to charge (slurm/pbs)")
+    g.add_argument("--account", help="account to charge" + site.format("account"))
     g.add_argument("--shared-dir", metavar="DIR",
                    help="directory of yours that the compute nodes see, for the throwaway TLS "
                         "files, readable by you only (slurm/pbs without --tls-*; default: dask's "
@@ -107,10 +127,16 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=20.0,
                    help="seconds to wait for a scheduler (--scheduler, --scheduler-file; "
                         "default: 20)")
-    g.add_argument("--worker-timeout", type=float, default=3600.0, metavar="SECONDS",
+    g.add_argument("--worker-timeout", type=float, default=None, metavar="SECONDS",
                    help="kubernetes/slurm/pbs: seconds to wait for all workers to join, as "
-                        "pods or batch jobs start (default: 3600; inf: no limit); then the "
+                        f"pods or batch jobs start (default: {get('cluster.worker-timeout')}, "
+                        "dask config dkicf.cluster.worker-timeout; inf: no limit); then the "
                         "fit goes on with those that joined, or stops if none did")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON object on stdout")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -138,6 +164,13 @@ def _check_size(flag: str, text: str, *, auto: bool) -> str:
         example = "a size such as 4GiB or 500MB" + (", or auto" if auto else "")
         raise UsageError(f"{flag} expects {example}; got {text!r}.")
     return text
+
+
+def _column_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected column names or indices A,B,..., got {text!r}")
+    return names
 
 
 def _positive_int(text: str) -> int:
@@ -185,6 +218,17 @@ def _gamma_arg(text: str):
     return _gamma(text)
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Every option's default in its help, unless the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line (and status 2), pointing at --help instead of the usage."""
 
@@ -192,46 +236,68 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``dkicf`` parser.
+
+    ``bench``'s own options come from :mod:`dkicf.bench`, which imports every
+    baseline: they are added only when ``argv`` (the arguments about to be
+    parsed; None: all of them) names ``bench``, so that other commands and
+    ``--help`` start fast.
+    """
     from . import __version__
+    from ._config import get
 
     parser = _Parser(
         prog="dkicf",
         description="Kernel k-means on an incomplete Cholesky factorization, on dask.",
+        epilog="Exit status: 0 success, 1 failure while running (missing input, scheduler "
+               "not answering, worker failure), 2 error in the command line, 130 "
+               "interrupted, 143 terminated.",
+        formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"dkicf {__version__}")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    # The same two flags are accepted after the command name too.
+    # These flags are accepted after the command name too.
     common = _Parser(add_help=False)
-    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
-                        help="no progress bars")
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show tracebacks and debug logs")
+    for where, default in ((parser, False), (common, argparse.SUPPRESS)):
+        where.add_argument("--quiet", action="store_true", default=default,
+                           help="no progress bars")
+        where.add_argument("-v", "--verbose", action="store_true", default=default,
+                           help="show dkicf's INFO logs (what it decides and why)")
+        where.add_argument("--debug", action="store_true", default=default,
+                           help="show tracebacks, and the debug logs of dkicf and dask")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_parser = sub.add_parser
 
     def add_parser(name, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
         return _add_parser(name, parents=[common], **kwargs)
 
     sub.add_parser = add_parser
 
     p = sub.add_parser("convert", help="convert .npy/.npz/.csv/svmlight/Parquet to Zarr")
     p.add_argument("src", help="the file to convert (.npy, .npz, .csv, .svm/.libsvm "
-                               "svmlight, .parquet; .txt: svmlight if it has index:value "
-                               "fields, else delimited numbers like .csv)")
+                               "svmlight, .parquet or a directory of Parquet files; .txt: "
+                               "svmlight if it has index:value fields, else delimited numbers "
+                               "like .csv)")
     p.add_argument("dst", help="the Zarr group to write (path or fsspec URL)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="dtype of X in the store (default: float32, half the memory; "
                         "float64 keeps float64 input exact)")
     p.add_argument("--chunk-rows", type=_positive_int,
-                   help="rows per chunk (default: chunks of about 16 MiB)")
+                   help="rows per chunk (default: dask's auto chunking, chunks of the "
+                        "array.chunk-size setting, 128 MiB unless configured)")
     p.add_argument("--label-column",
                    help="label column (csv, Parquet): its name in the header, else a 0-based "
                         "index (-1: the last column)")
+    p.add_argument("--columns", type=_column_list, metavar="A,B,...",
+                   help="csv, Parquet: the feature columns to keep, by header name or 0-based "
+                        "index, comma-separated (default: all but the label column)")
+    p.add_argument("--drop-columns", type=_column_list, metavar="A,B,...",
+                   help="csv, Parquet: columns to leave out, e.g. an id or a text column")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing Zarr store at DST (only when the new one is complete)")
+                   help="replace an existing dataset at DST (only when the new one is "
+                        "complete); anything else there, a model for instance, is refused")
     _add_storage(p)
 
     p = sub.add_parser("generate", help="write a synthetic dataset to Zarr, chunk by chunk")
@@ -245,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64",
                    help="dtype of X (default: float64)")
     p.add_argument("--chunk-rows", type=_positive_int,
-                   help="rows per chunk (default: chunks of about 16 MiB)")
+                   help="rows per chunk (default: dask's auto chunking, chunks of the "
+                        "array.chunk-size setting, 128 MiB unless configured)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing Zarr store at DST (only when the new one is complete)")
@@ -263,12 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="degree of the polynomial kernel (default: 3)")
     p.add_argument("--coef0", type=float, default=1.0,
                    help="constant term of the polynomial kernel (default: 1.0)")
-    p.add_argument("--rank", type=_positive_int, default=100, help="rank s (default: 100)")
+    p.add_argument("--rank", type=_positive_int, default=get("fit.rank"),
+                   help=f"rank s (default: {get('fit.rank')}, dask config dkicf.fit.rank)")
     p.add_argument("--tol", type=float, default=1e-3, help="trace-error tolerance (default: 1e-3)")
     p.add_argument("--pivoting", choices=["greedy", "block-greedy", "rpcholesky"],
-                   default="block-greedy",
-                   help="pivot rule of the factorization (default: block-greedy, the paper's "
-                        "greedy pivots several per pass over X)")
+                   default=get("fit.pivoting"),
+                   help=f"pivot rule of the factorization (default: {get('fit.pivoting')}, dask "
+                        "config dkicf.fit.pivoting; block-greedy: the paper's greedy pivots, "
+                        "several per pass over X)")
     # The k-means names only: dkicf.kmeans imports numpy and scipy, but no cluster code.
     from .kmeans import ALGORITHMS, INITS
 
@@ -289,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     p.add_argument("--checkpoint", metavar="URL",
                    help="Zarr group to checkpoint the factorization and k-means in (resumable)")
-    p.add_argument("--checkpoint-every", type=_positive_int, default=25,
-                   help="factorization iterations between checkpoints (default: 25; k-means "
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                   help="factorization iterations between checkpoints, with --checkpoint "
+                        "(default: 25; k-means "
                         "commits every 100 steps or 5 Lloyd iterations, and after each run)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint (refused if data or parameters differ)")
@@ -307,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
     _add_cluster(p)
     _add_storage(p)
+    _add_json(p)
 
     p = sub.add_parser("predict", help="assign the points of a Zarr dataset with a saved model")
     p.add_argument("model", help="a model written by dkicf fit (its --out)")
@@ -314,12 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
     _add_cluster(p)
     _add_storage(p)
+    _add_json(p)
 
     p = sub.add_parser("info", help="describe a dataset, a model or a fit's checkpoint")
+    _add_json(p)
     p.add_argument("path", help="a Zarr dataset, a model (dkicf fit --out) or a --checkpoint "
                                 "(how far the fit got, where P lives, how to resume)")
-    p.add_argument("--rank", type=_positive_int, default=100,
-                   help="rank used for the memory estimate of a fit (default: 100)")
+    p.add_argument("--rank", type=_positive_int, default=get("fit.rank"),
+                   help=f"rank used for the memory estimate of a fit (default: "
+                        f"{get('fit.rank')}, dask config dkicf.fit.rank)")
     _add_storage(p)
 
     p = sub.add_parser("plot", help="write PNG plots of a model")
@@ -332,16 +406,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=_positive_int, default=1_000_000,
                    help="points of the Ring (default: 1000000)")
     p.add_argument("--rank", type=_positive_int, default=50, help="rank s (default: 50)")
-    p.add_argument("--workdir", default="dkicf-demo",
-                   help="folder for data, model and plots (default: dkicf-demo); the model and "
-                        "plots there are replaced on every run")
+    p.add_argument("--workdir", default=None,
+                   help="folder for data, model and plots (default: a new temporary folder, "
+                        "printed with its size at the end); the model and plots there are "
+                        "replaced on every run, the data reused")
     p.add_argument("--overwrite", action="store_true",
                    help="generate the data again even if WORKDIR holds it")
     _add_cluster(p)
 
-    from . import bench
+    if argv is None or "bench" in argv:
+        from . import bench
 
-    bench.add_parser(sub)
+        bench.add_parser(sub)
+    else:
+        sub.add_parser("bench", help="benchmarks: reproduce the paper's experiments")
     return parser
 
 
@@ -435,11 +513,61 @@ def _rows_bar(desc: str):
 # ---------------------------------------------------------------------------- cluster
 
 
-@contextlib.contextmanager
-def _cluster(args):
-    """Yield a client for the command, closing whatever this command started."""
-    from . import deploy
+def _wants_cluster(args) -> bool:
+    """Whether the command line asks for a cluster, whatever the size of the data."""
+    return bool(args.scheduler or args.scheduler_file or args.cluster is not None
+                or args.workers is not None or args.threads is not None
+                or args.memory_limit is not None or args.dashboard)
 
+
+def _fits_in_process(nbytes: int) -> bool:
+    """Whether ``nbytes`` fit comfortably in this process: dkicf.in-process-max-bytes, and a
+    quarter of the memory free now."""
+    import psutil
+    from dask.utils import parse_bytes
+
+    from ._config import get
+
+    limit = get("in-process-max-bytes")
+    limit = parse_bytes(limit) if isinstance(limit, str) else int(limit)
+    return nbytes <= min(limit, psutil.virtual_memory().available / 4)
+
+
+def _check_cluster_args(args) -> None:
+    """The cluster flags' values, checked before anything is read or started."""
+    from ._config import get
+
+    _check_size("--memory-limit", args.memory_limit or str(get("cluster.memory-limit")),
+                auto=True)
+    if args.cluster in ("slurm", "pbs") and args.memory is not None:
+        _check_size("--memory", args.memory, auto=False)
+    if args.cluster in ("kubernetes", "slurm", "pbs"):
+        timeout = (args.worker_timeout if args.worker_timeout is not None
+                   else float(get("cluster.worker-timeout")))
+        if not timeout > 0:
+            raise UsageError(
+                f"--worker-timeout must be a number of seconds > 0 (inf: no limit), "
+                f"got {timeout}."
+            )
+    if args.cluster == "kubernetes" and not args.image:
+        raise UsageError("--cluster kubernetes needs --image (the dkicf container image).")
+
+
+@contextlib.contextmanager
+def _cluster(args, *, in_process: bool = False):
+    """Yield a client for the command, closing whatever this command started.
+
+    ``in_process``: no cluster is started and None is yielded; the command
+    computes in this process.
+    """
+    from . import deploy
+    from ._config import get
+
+    if in_process:
+        logger.info("running in this process on numpy: the data fit in memory (start a "
+                    "cluster with --cluster local or --scheduler)")
+        yield None
+        return
     security = None
     if args.tls_ca_file or args.tls_cert or args.tls_key:
         security = deploy.make_security(args.tls_ca_file, args.tls_cert, args.tls_key)
@@ -451,45 +579,38 @@ def _cluster(args):
         finally:
             client.close()
         return
-    options = {}
-    _check_size("--memory-limit", args.memory_limit, auto=True)
-    if args.cluster in ("slurm", "pbs"):
-        _check_size("--memory", args.memory, auto=False)
-    if args.cluster == "local":
-        options = dict(workers=args.workers, threads=args.threads,
-                       memory_limit=args.memory_limit, dashboard=args.dashboard)
+    kind = args.cluster or "local"
+    workers = args.workers or get("cluster.workers")
+    threads = args.threads or get("cluster.threads")
+    memory_limit = args.memory_limit or str(get("cluster.memory-limit"))
+    worker_timeout = (args.worker_timeout if args.worker_timeout is not None
+                      else float(get("cluster.worker-timeout")))
+    logger.info("starting a %s cluster", kind)
+    if kind == "local":
+        options = dict(workers=workers, threads=threads,
+                       memory_limit=memory_limit, dashboard=args.dashboard)
     else:
-        if not args.worker_timeout > 0:
-            raise UsageError(
-                f"--worker-timeout must be a number of seconds > 0 (inf: no limit), "
-                f"got {args.worker_timeout}."
-            )
-
         def say(line: str) -> None:
             print(f"dkicf: {line}", file=sys.stderr, flush=True)
 
         # Batch jobs and pods may take hours to start: say what is being waited for.
-        options = dict(worker_timeout=args.worker_timeout, progress=None if args.quiet else say)
-    if args.cluster in ("slurm", "pbs"):
-        options.update(jobs=args.jobs, cores=args.cores, memory=args.memory,
-                       walltime=args.walltime, queue=args.queue, processes=args.processes)
-        if args.interface:
-            options["interface"] = args.interface
-        if args.account:
-            options["account"] = args.account
+        options = dict(worker_timeout=worker_timeout, progress=None if args.quiet else say)
+    if kind in ("slurm", "pbs"):
+        # Flags left out fall back to dask-jobqueue's configuration (the site's jobqueue.yaml).
+        given = dict(cores=args.cores, memory=args.memory, walltime=args.walltime,
+                     queue=args.queue, processes=args.processes, interface=args.interface,
+                     account=args.account)
+        options.update(jobs=args.jobs, **{k: v for k, v in given.items() if v is not None})
         # The scheduler listens on the site's network: mutual TLS, with throwaway
         # certificates unless --tls-* name some.
         options["security"] = True if security is None else security
         if args.shared_dir:
             options["shared_temp_directory"] = args.shared_dir
-    elif args.cluster == "kubernetes":
-        if not args.image:
-            raise UsageError("--cluster kubernetes needs --image (the dkicf container image).")
-        options.update(name=args.name, image=args.image, workers=args.workers,
-                       threads=args.threads)
-        if args.memory_limit != "auto":  # a pod needs a size: kubernetes_spec's default
-            options["memory_limit"] = args.memory_limit
-    client, cluster = deploy.start_cluster(args.cluster, **options)
+    elif kind == "kubernetes":
+        options.update(name=args.name, image=args.image, workers=workers, threads=threads)
+        if memory_limit != "auto":  # a pod needs a size: kubernetes_spec's default
+            options["memory_limit"] = memory_limit
+    client, cluster = deploy.start_cluster(kind, **options)
     try:
         yield client
     finally:
@@ -500,15 +621,50 @@ def _cluster(args):
 # ---------------------------------------------------------------------------- commands
 
 
+def _check_outputs(out: str, inputs: dict, *, overwrite: bool | None, writes: str,
+                   storage_options: dict | None = None) -> None:
+    """Refuse an output that is one of the inputs, exists without --overwrite, or is
+    something else than what the command writes.
+
+    All are usage errors (status 2): another --out, or --overwrite, fixes
+    them.  ``writes`` is the kind of output (``"dataset"``, ``"model"``,
+    ``"labels"``, as :func:`dkicf.io.inspect` names them): --overwrite
+    replaces only that, never a model by a dataset for instance.
+    ``overwrite=None`` checks the inputs only.
+    """
+    from . import io
+
+    try:
+        io.check_not_input(out, inputs)
+    except io.DkicfIOError as exc:
+        raise UsageError(str(exc)) from None
+    if overwrite is None:
+        return
+    io.check_writable(out, overwrite=overwrite, storage_options=storage_options)
+    if not overwrite:
+        return
+    try:
+        kind, _ = io.inspect(out, storage_options=storage_options)
+    except (io.DkicfIOError, OSError):
+        return  # nothing there, or nothing dkicf reads: check_writable's decision stands
+    if kind != writes:
+        raise UsageError(
+            f"{out} holds a {kind}, and --overwrite replaces only a {writes} (what this "
+            f"command writes). Choose another output, or remove {out} first if it may go."
+        )
+
+
 def _cmd_convert(args) -> int:
     from . import io
 
-    io.check_not_input(args.dst, {"the source": args.src})
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.src, args.dst)
+    _check_outputs(args.dst, {"the source": args.src}, overwrite=args.overwrite,
+                   writes="dataset", storage_options=storage_options)
     info = io.convert(
         args.src, args.dst, dtype=args.dtype, chunk_rows=args.chunk_rows,
-        overwrite=args.overwrite, label_column=args.label_column,
-        storage_options=_storage_options(args.storage_option, args.storage_options_file,
-                                         args.src, args.dst),
+        overwrite=args.overwrite, label_column=args.label_column, columns=args.columns,
+        drop_columns=args.drop_columns, storage_options=storage_options,
         progress=None if args.quiet else _rows_bar("convert"),
     )
     print(f"wrote {args.dst}: {_describe(info)}")
@@ -529,10 +685,13 @@ def _cmd_generate(args) -> int:
             f"{args.kind} is a 2-D set of 2 classes; --features and --classes apply to "
             "blobs and spheres."
         )
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.dst)
+    _check_outputs(args.dst, {}, overwrite=args.overwrite, writes="dataset",
+                   storage_options=storage_options)
     info = io.generate(
         args.kind, args.dst, args.n, chunk_rows=args.chunk_rows, dtype=args.dtype,
-        random_state=args.seed, overwrite=args.overwrite,
-        storage_options=_storage_options(args.storage_option, args.storage_options_file, args.dst),
+        random_state=args.seed, overwrite=args.overwrite, storage_options=storage_options,
         progress=None if args.quiet else _rows_bar("generate"),
         **params,
     )
@@ -549,11 +708,18 @@ def _describe(info: dict) -> str:
 
 
 def _cmd_fit(args) -> int:
+    from . import io
+    from .estimator import KernelKMeans
     from .pipeline import fit_store
 
+    if args.resume and not args.checkpoint:
+        raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise UsageError("--checkpoint-every sets how often --checkpoint commits: give "
+                         "--checkpoint URL too, or drop --checkpoint-every.")
+    _check_cluster_args(args)
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.store, args.out, args.checkpoint)
-    progress = _Progress(args.quiet)
     params = dict(
         n_clusters=args.clusters, kernel=args.kernel, gamma=args.gamma, degree=args.degree,
         coef0=args.coef0, rank=args.rank, tol=args.tol, pivoting=args.pivoting,
@@ -561,30 +727,42 @@ def _cmd_fit(args) -> int:
         batch_size=args.batch_size, n_init=args.n_init, max_iter=args.max_iter,
         random_state=args.seed,
     )
-    from . import io
-
-    if args.resume and not args.checkpoint:
-        raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
-    io.check_not_input(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint})
-    io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
-    with _cluster(args) as client:
+    _check_outputs(args.out, {"the dataset": args.store, "the checkpoint": args.checkpoint},
+                   overwrite=args.overwrite, writes="model", storage_options=storage_options)
+    # What the data's metadata allows to check comes before any cluster starts.
+    X, _, _ = io.open_dataset(args.store, storage_options=storage_options)
+    n, d = X.shape
+    try:
+        KernelKMeans(**params)._check_params(n)
+    except ValueError as exc:
+        raise UsageError(f"{exc} ({args.store} has {n} rows.)") from None
+    in_process = (not _wants_cluster(args) and args.checkpoint is None
+                  and args.p_storage != "zarr" and args.persist == "auto"
+                  and _fits_in_process(8 * n * d + 2 * 8 * n * min(args.rank, n)))
+    progress = _Progress(args.quiet)
+    with _cluster(args, in_process=in_process) as client:
         try:
             report = fit_store(
                 args.store, args.out, params, client=client, overwrite=args.overwrite,
                 p_storage=args.p_storage, persist=args.persist,
                 storage_options=storage_options, progress=progress,
-                checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                checkpoint=args.checkpoint,
+                checkpoint_every=args.checkpoint_every or _CHECKPOINT_EVERY,
                 save_p=args.save_p,
                 resume=args.resume,
             )
             progress.finish()
         finally:
             progress.close()  # an error is printed on a line of its own, not after the bar
-    _print_report(report)
+    report["where"] = "in-process" if in_process else "cluster"
+    _print_report(report, as_json=args.json)
     return 0
 
 
-def _print_report(report: dict) -> None:
+def _print_report(report: dict, *, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps(report, default=str))
+        return
     for key, value in report.items():
         if isinstance(value, float):
             value = f"{value:.6g}"
@@ -592,18 +770,29 @@ def _print_report(report: dict) -> None:
 
 
 def _cmd_predict(args) -> int:
+    from . import io
+    from .estimator import load
     from .pipeline import predict_store
 
+    _check_cluster_args(args)
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.model, args.store, args.out)
-    from . import io
-
-    io.check_not_input(args.out, {"the model": args.model, "the dataset": args.store})
-    io.check_writable(args.out, overwrite=args.overwrite, storage_options=storage_options)
-    with _cluster(args) as client:
+    _check_outputs(args.out, {"the model": args.model, "the dataset": args.store},
+                   overwrite=args.overwrite, writes="labels", storage_options=storage_options)
+    model = load(args.model, storage_options=storage_options)
+    X, _, _ = io.open_dataset(args.store, storage_options=storage_options)
+    n, d = X.shape
+    if d != model.n_features_in_:
+        raise ValueError(
+            f"{args.store} has {d} features but the model {args.model} was fitted on "
+            f"{model.n_features_in_}; predict with data of the same features."
+        )
+    in_process = not _wants_cluster(args) and _fits_in_process(8 * n * (d + model.rank_))
+    with _cluster(args, in_process=in_process) as client:
         report = predict_store(args.model, args.store, args.out, client=client,
                                overwrite=args.overwrite, storage_options=storage_options)
-    _print_report(report)
+    report["where"] = "in-process" if in_process else "cluster"
+    _print_report(report, as_json=args.json)
     return 0
 
 
@@ -612,9 +801,30 @@ def _cmd_info(args) -> int:
 
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.path)
+    if args.json:
+        print(json.dumps(_info_json(args.path, args.rank, storage_options), default=str))
+        return 0
     for line in describe(args.path, rank=args.rank, storage_options=storage_options):
         print(line)
     return 0
+
+
+def _info_json(path: str, rank: int, storage_options: dict) -> dict:
+    """What ``dkicf info`` shows, as one JSON object."""
+    from dataclasses import asdict
+
+    import numpy as np
+
+    from . import io
+    from .pipeline import plan_fit
+
+    kind, details = io.inspect(path, storage_options=storage_options)
+    result = {"path": path, "kind": kind, **details}
+    if kind == "dataset":
+        n, d = details["shape"]
+        plan = plan_fit((n, d), details["chunks"][0], np.dtype(details["dtype"]).itemsize, rank)
+        result["fit_estimate"] = asdict(plan)
+    return result
 
 
 def _cmd_plot(args) -> int:
@@ -629,12 +839,19 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    import tempfile
+
     from . import io
     from .pipeline import fit_store
     from .plotting import plot_model
 
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    _check_cluster_args(args)
+    if args.workdir is None:
+        work = Path(tempfile.mkdtemp(prefix="dkicf-demo-"))
+    else:
+        work = Path(args.workdir)
+        work.mkdir(parents=True, exist_ok=True)
+    print(f"data, model and plots go to {work}")
     data, model = work / "ring.zarr", work / "model.zarr"
     t0 = time.perf_counter()
     rows = _rows_of(data) if data.exists() and not args.overwrite else None
@@ -649,15 +866,22 @@ def _cmd_demo(args) -> int:
     # The default k-means settings: they find the rings' partition.
     params = dict(n_clusters=2, kernel="gaussian", gamma=16.0, rank=args.rank, tol=1e-3,
                   random_state=0)
-    with _cluster(args) as client:
-        report = fit_store(str(data), str(model), params, client=client, overwrite=True,
-                           progress=progress)
-    progress.finish()
+    in_process = not _wants_cluster(args) and _fits_in_process(16 * args.n * (1 + args.rank))
+    with _cluster(args, in_process=in_process) as client:
+        try:
+            report = fit_store(str(data), str(model), params, client=client, overwrite=True,
+                               progress=progress)
+            progress.finish()
+        finally:
+            progress.close()
     paths = plot_model(str(model), str(work), data=str(data))
-    report = {"points": args.n, "generate_s": t_gen, **report}
+    report = {"points": args.n, "generate_s": t_gen, **report,
+              "where": "in-process" if in_process else "cluster"}
     _print_report(report)
     for p in paths:
         print(f"wrote {p}")
+    size = sum(f.stat().st_size for f in work.rglob("*") if f.is_file())
+    print(f"{work} holds {size / 2**20:.0f} MiB; remove it with: rm -r {work}")
     return 0
 
 
@@ -701,6 +925,14 @@ _CLI_SPELLING = (
     ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
     ("even with overwrite=True", "even with --overwrite"),
     ("convert the file first with dkicf.io.convert", "convert the file first with dkicf convert"),
+    ("leave the column out with drop_columns (dkicf convert: --drop-columns)",
+     "leave the column out with --drop-columns"),
+    ("needs cores= (per job), e.g. cores=8, memory='32GiB',",
+     "needs --cores (per job), e.g. --cores 8 --memory 32GiB,"),
+    ("needs memory= (per job), e.g. cores=8, memory='32GiB',",
+     "needs --memory (per job), e.g. --cores 8 --memory 32GiB,"),
+    ("kind='slurm' needs --", "--cluster slurm needs --"),
+    ("kind='pbs' needs --", "--cluster pbs needs --"),
 )
 
 
@@ -722,18 +954,31 @@ def _on_sigterm(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dkicf`` command."""
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv == ["--version"]:  # without building the parser, which reads dask's configuration
+        from . import __version__
+
+        print(f"dkicf {__version__}")
+        return 0
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not args.debug:
         # Quiet the cluster's own INFO logs, in this process and in the workers it starts.
         import os
 
-        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-        logging.getLogger("distributed").setLevel(logging.WARNING)
+        level = os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        if "dask.config" in sys.modules:  # read the environment already (the parser's defaults)
+            import dask.config
+
+            dask.config.set({"logging.distributed": level})
+        logging.getLogger("distributed").setLevel(level.upper())
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.verbose and not args.debug:
+        logger.setLevel(logging.INFO)
     import signal
     import threading
 
@@ -749,7 +994,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    """Run the parsed command; errors become one line on stderr and an exit status."""
+    """Run the parsed command; errors become one line on stderr and an exit status.
+
+    Status 2 means the command line itself is wrong (a flag, a value, an
+    output that exists or is an input): fixed by changing the command.  Status
+    1 is a failure while running: missing or unreadable input, a scheduler
+    that does not answer, a worker that died, too little memory.
+    """
     from .errors import DkicfError
 
     try:
@@ -760,13 +1011,13 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print("dkicf: interrupted", file=sys.stderr)
         return 130
-    except (UsageError, ValueError, TypeError, FileNotFoundError, FileExistsError,
-            PermissionError, ConnectionError, ImportError, MemoryError) as exc:
+    except (UsageError, FileExistsError) as exc:
         if args.debug:
             raise
         print(f"dkicf {args.command}: error: {_cli_message(exc)}", file=sys.stderr)
         return 2
-    except DkicfError as exc:  # e.g. a task that kept killing its workers
+    except (DkicfError, ValueError, TypeError, OSError, ConnectionError, ImportError,
+            MemoryError) as exc:
         if args.debug:
             raise
         print(f"dkicf {args.command}: error: {_cli_message(exc)}", file=sys.stderr)

@@ -4,7 +4,7 @@
 source, ``y`` int64 labels ``0..c-1``) from a data folder and checks its
 sha256 against the value pinned in :data:`NPZ_SHA256`.  When no folder holds
 the file, it downloads the LIBSVM files with ``pooch`` (an optional extra:
-``pip install "dkicf[data]"``) and parses them.  With ``scale=True`` the
+``pip install "dkicf[datasets]"``) and parses them.  With ``scale=True`` the
 features are put on the scale the paper's kernel widths
 (:data:`PAPER_GAMMA`) assume.
 
@@ -262,7 +262,7 @@ def _download(
     except ImportError:
         raise ImportError(
             f"{key}.npz was not found locally, and downloading it from LIBSVM needs pooch: "
-            f'pip install "dkicf[data]" (or put {key}.npz in one of: '
+            f'pip install "dkicf[datasets]" (or put {key}.npz in one of: '
             f"{', '.join(str(f) for f in folders)})."
         ) from None
     target = explicit if explicit is not None else Path(pooch.os_cache("dkicf"))

@@ -628,19 +628,33 @@ _JOB_STATUS = {
 
 
 def _job_kwargs(kind: str, options: dict) -> dict:
-    """Validate start_cluster/jobqueue_script options; return the Job class keywords."""
+    """Validate start_cluster/jobqueue_script options; return the Job class keywords.
+
+    An option left out or None is taken from dask-jobqueue's configuration
+    (``jobqueue.<kind>.*`` in ``jobqueue.yaml``), as dask-jobqueue itself
+    does, so that a site's settings apply; ``processes`` falls back to one
+    worker process per job when the configuration does not set it either.
+    """
+    import dask
+
     _check_options(kind, options, _JOB_OPTIONS + _JOBQUEUE_CLUSTER_OPTIONS)
+    kwargs = {k: v for k, v in options.items() if k in _JOB_OPTIONS and v is not None}
+
+    def configured(name: str):
+        return dask.config.get(f"jobqueue.{kind}.{name}", None)
+
     for required in ("cores", "memory"):
-        if options.get(required) is None:
+        if required not in kwargs and configured(required) is None:
             raise TypeError(
-                f"kind={kind!r} needs {required}= (per job), e.g. cores=8, memory='32GiB'."
+                f"kind={kind!r} needs {required}= (per job), e.g. cores=8, memory='32GiB', "
+                f"or jobqueue.{kind}.{required} in dask's configuration (jobqueue.yaml)."
             )
-    kwargs = {k: v for k, v in options.items() if k in _JOB_OPTIONS}
-    kwargs["cores"] = _positive_int(kwargs["cores"], "cores")
-    kwargs["processes"] = _positive_int(kwargs.get("processes", 1), "processes")
-    if kwargs["cores"] % kwargs["processes"]:
+    cores = _positive_int(kwargs.get("cores", configured("cores")), "cores")
+    kwargs["processes"] = _positive_int(
+        kwargs.get("processes", configured("processes") or 1), "processes")
+    if cores % kwargs["processes"]:
         raise ValueError(
-            f"cores={kwargs['cores']} should be a multiple of processes={kwargs['processes']} "
+            f"cores={cores} should be a multiple of processes={kwargs['processes']} "
             "so that every worker process gets the same number of threads."
         )
     _positive_int(options.get("jobs", 1), "jobs")
@@ -990,7 +1004,9 @@ def _wait_options(options: dict) -> dict:
 
 
 def _joined(client) -> int:
-    return len(client.scheduler_info()["workers"])
+    from ._cluster import all_workers
+
+    return len(all_workers(client))
 
 
 def _wait_for_workers(client, watch, *, timeout: float | None, progress) -> None:
@@ -1057,7 +1073,8 @@ def start_cluster(kind: str = "local", **options):
         dask-kubernetes operator in the Kubernetes cluster.
 
         ``slurm``/``pbs``: ``jobs`` (batch jobs to submit), ``cores`` and
-        ``memory`` (per job), ``processes=1`` (worker processes per job),
+        ``memory`` (per job), ``processes`` (worker processes per job; 1 unless
+        configured),
         ``walltime``, ``queue``, ``account``, ``interface`` (network for the
         scheduler and workers, e.g. ``"ib0"``), ``local_directory``,
         ``log_directory``, ``job_script_prologue``, ``job_extra_directives``,
@@ -1065,7 +1082,9 @@ def start_cluster(kind: str = "local", **options):
         ``shared_temp_directory``.  The scheduler runs in this process and
         listens on ``interface`` (every interface if not given), where other
         users of the site's network can reach it, so it only speaks mutual
-        TLS unless told otherwise:
+        TLS unless told otherwise.  A job option left out (or None) takes
+        its value from dask-jobqueue's configuration, ``jobqueue.<kind>.*``
+        in the site's ``jobqueue.yaml``:
 
         - ``security=True`` (the default; ``None`` means the same): throwaway
           certificates, made with the ``cryptography`` package.  dask-jobqueue

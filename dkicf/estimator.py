@@ -6,13 +6,18 @@ import numbers
 from collections.abc import Callable
 
 import numpy as np
-from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
+from sklearn.base import (
+    BaseEstimator,
+    ClassNamePrefixFeaturesOutMixin,
+    ClusterMixin,
+    TransformerMixin,
+)
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ._chunk import check_finite
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from .icf import ICFResult, _transform_block, incomplete_cholesky
-from .kernels import Kernel, make_kernel
+from .kernels import KERNELS, Kernel, make_kernel
 from .kmeans import ALGORITHMS, INITS, assign, kmeans
 
 __all__ = ["KernelKMeans", "load"]
@@ -22,7 +27,8 @@ _MODEL_VERSION = 1
 _MODEL_ARRAYS = ("cluster_centers", "pivots", "pivot_rows", "cholesky_factor", "trace_errors")
 
 
-class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
+class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMixin,
+                   BaseEstimator):
     """Kernel k-means on an incomplete Cholesky factorization of the kernel matrix.
 
     ``fit`` runs the paper's Algorithm 2: the incomplete Cholesky factorization
@@ -40,6 +46,10 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         ``"gaussian"`` (``exp(-gamma ||x - y||^2)``; the paper's sigma is
         ``gamma``), ``"laplacian"``, ``"polynomial"``, ``"linear"``, a callable
         ``f(A, B)`` returning a kernel block, or a :class:`dkicf.kernels.Kernel`.
+        Other names of :func:`sklearn.metrics.pairwise.pairwise_kernels`
+        (``"sigmoid"``, ``"cosine"``, ``"chi2"``, ``"additive_chi2"``) run
+        through that function (:class:`dkicf.kernels.PairwiseKernel`): its
+        diagonal costs one Python call per row.
     gamma : float or "median", default=None
         Kernel width; ``None`` is the median heuristic for the Gaussian and
         Laplacian kernels (:func:`dkicf.kernels.median_gamma` on a seeded
@@ -47,7 +57,11 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     degree : int, default=3
         Degree of the polynomial kernel.
     coef0 : float, default=1.0
-        Constant of the polynomial kernel.
+        Constant of the polynomial kernel (and of ``"sigmoid"``).
+    kernel_params : dict, default=None
+        Keyword arguments of a callable kernel, or of a kernel of
+        :mod:`sklearn.metrics.pairwise` by name; dkicf's own kernels take
+        ``gamma``, ``degree`` and ``coef0`` instead.
     rank : int, default=100
         Largest rank ``s`` of the factorization (columns of P).
     tol : float, default=1e-3
@@ -84,11 +98,17 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     random_state : int, numpy.random.Generator or None, default=None
         Seeds the median heuristic and k-means: the same seed gives the same
         clusters whatever the number of workers and the chunking.
+    verbose : int, default=0
+        0: silent; 1: lines on stdout with each k-means run's inertia and a
+        summary at the end (rank, trace error, inertia); 2: also a line after
+        every pivot block and every k-means step.
 
     Attributes
     ----------
-    labels_ : ndarray of shape (n_samples,)
-        Cluster of every training point.
+    labels_ : ndarray or dask array of shape (n_samples,)
+        Cluster of every training point: a dask array, not gathered to this
+        process, after a fit on a dask array (computed when the model is
+        pickled).
     cluster_centers_ : ndarray of shape (n_clusters, rank_)
         Centres in the factor's feature space.
     inertia_ : float
@@ -144,6 +164,8 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         kmeans_tol: float = 1e-4,
         persist: bool = True,
         random_state=None,
+        kernel_params: dict | None = None,
+        verbose: int = 0,
     ):
         self.n_clusters = n_clusters
         self.kernel = kernel
@@ -161,6 +183,8 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.kmeans_tol = kmeans_tol
         self.persist = persist
         self.random_state = random_state
+        self.kernel_params = kernel_params
+        self.verbose = verbose
 
     # ------------------------------------------------------------------ fitting
 
@@ -187,15 +211,31 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             raise ValueError(
                 f"init must be one of {', '.join(map(repr, INITS))}, got {self.init!r}."
             )
+        if self.kernel_params is not None and not isinstance(self.kernel_params, dict):
+            raise TypeError(
+                f"kernel_params must be a dict or None, got {type(self.kernel_params).__name__}."
+            )
+        if isinstance(self.verbose, bool) or not isinstance(self.verbose, numbers.Integral) \
+                or self.verbose < 0:
+            raise ValueError(f"verbose must be an integer >= 0, got {self.verbose!r}.")
         if isinstance(self.kernel, str):
             make_kernel(self.kernel, gamma=self._gamma_for_check(), degree=self.degree,
-                        coef0=self.coef0, X_sample=np.zeros((2, 1)))
+                        coef0=self.coef0, X_sample=np.zeros((2, 1)),
+                        kernel_params=self.kernel_params)
 
     def _gamma_for_check(self):
         # Validate gamma's type and sign without running the median heuristic.
         if self.gamma is None or (isinstance(self.gamma, str) and self.gamma == "median"):
-            return 1.0 if self.kernel not in ("polynomial", "poly") else None
+            return 1.0 if self.kernel in ("gaussian", "rbf", "laplacian") else None
         return self.gamma
+
+    def _kernel_arg(self):
+        """The kernel for the factorization: built here when kernel_params apply to it."""
+        if self.kernel_params is None and (not isinstance(self.kernel, str)
+                                           or self.kernel.lower() in KERNELS):
+            return self.kernel
+        return make_kernel(self.kernel, gamma=self.gamma, degree=self.degree, coef0=self.coef0,
+                           kernel_params=self.kernel_params)
 
     def _seeds(self):
         rng = (
@@ -222,14 +262,12 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self
         """
         labels = self._fit(X, progress=progress)
-        self.labels_ = np.asarray(labels.compute() if is_dask_array(labels) else labels)
+        self.labels_ = labels if is_dask_array(labels) else np.asarray(labels)
         return self
 
     def fit_predict(self, X, y=None, *, progress=None):
         """Fit and return the labels (a dask array, not gathered, for dask input)."""
-        labels = self._fit(X, progress=progress)
-        self.labels_ = np.asarray(labels.compute() if is_dask_array(labels) else labels)
-        return labels if is_dask_array(labels) else self.labels_
+        return self.fit(X, progress=progress).labels_
 
     def _fit(self, X, progress=None):
         dask_input = is_dask_array(X)
@@ -243,9 +281,10 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             X = check_array_2d(X, "X")
         self._check_params(X.shape[0])
         icf_seed, km_seed = self._seeds()
+        progress = _verbose_progress(self.verbose, progress)
         icf = incomplete_cholesky(
             X,
-            kernel=self.kernel,
+            kernel=self._kernel_arg(),
             gamma=self.gamma,
             degree=self.degree,
             coef0=self.coef0,
@@ -269,7 +308,28 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             progress=progress,
         )
         self._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
+        if self.verbose:
+            print(f"KernelKMeans: rank {icf.rank} ({icf.stop_reason}), trace error "
+                  f"{float(icf.trace_errors[-1]) if icf.rank else icf.initial_trace:.4g}; "
+                  f"k-means inertia {km.inertia:.6g} after {km.n_iter} steps")
         return km.labels
+
+    def _for_tasks(self) -> KernelKMeans:
+        """This model as the tasks of predict/transform get it: without lazy labels_.
+
+        A dask ``labels_`` would travel with every task, and pickling it there
+        would compute it.
+        """
+        if not is_dask_array(getattr(self, "labels_", None)):
+            return self
+        clone = object.__new__(type(self))
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k != "labels_"})
+        return clone
+
+    @property
+    def _n_features_out(self) -> int:
+        """Columns of :meth:`transform`: the rank reached (for ``get_feature_names_out``)."""
+        return self.rank_
 
     def _set_fitted(self, icf: ICFResult, centers, inertia, n_iter) -> None:
         self.kernel_ = icf.kernel
@@ -338,7 +398,8 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         """Features of an X from :meth:`_check_X_predict`; dask chunks are checked in tasks."""
         if is_dask_array(X):
             return X.map_blocks(
-                _checked_features, self, dtype=np.float64, chunks=(X.chunks[0], (self.rank_,)),
+                _checked_features, self._for_tasks(), dtype=np.float64,
+                chunks=(X.chunks[0], (self.rank_,)),
                 meta=np.empty((0, 0), dtype=np.float64),
             )
         return self._features(X)
@@ -359,7 +420,8 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         X = self._check_X_predict(X)
         if is_dask_array(X):
             return X.map_blocks(
-                _checked_predict, self, dtype=np.int64, drop_axis=1, chunks=(X.chunks[0],),
+                _checked_predict, self._for_tasks(), dtype=np.int64, drop_axis=1,
+                chunks=(X.chunks[0],),
                 meta=np.empty((0,), dtype=np.int64),
             )
         return _predict_block(X, self)
@@ -375,6 +437,9 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_pivot_aux", None)
+        if is_dask_array(state.get("labels_")):
+            # A pickle holds values, not a graph tied to a cluster.
+            state["labels_"] = np.asarray(state["labels_"].compute())
         return state
 
     def __setstate__(self, state):
@@ -402,6 +467,34 @@ class KernelKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         if getattr(self, "labels_", None) is not None:
             arrays["labels"] = np.asarray(self.labels_, dtype=np.int32)
         io.write_group(path, arrays, attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+def _verbose_progress(verbose: int, progress):
+    """``progress``, plus the lines of ``verbose`` on stdout."""
+    if verbose < 1:
+        return progress
+    runs = {}
+
+    def report(info) -> None:
+        if progress is not None:
+            progress(info)
+        kind = type(info).__name__
+        if kind == "ICFProgress":
+            if verbose >= 2:
+                print(f"factorization: rank {info.rank}/{info.max_rank}, trace error "
+                      f"{info.trace_error:.4g} of {info.initial_trace:.4g}, "
+                      f"{info.n_passes} passes")
+            return
+        restart = getattr(info, "restart", 0)
+        if verbose >= 2:
+            print(f"k-means run {restart + 1}/{getattr(info, 'n_init', 1)}: step "
+                  f"{getattr(info, 'step', '?')}, inertia {getattr(info, 'inertia', 0.0):.6g}")
+        elif restart not in runs and runs:
+            last = max(runs)
+            print(f"k-means run {last + 1}: inertia {runs[last]:.6g}")
+        runs[restart] = getattr(info, "inertia", float("nan"))
+
+    return report
 
 
 def _model_arrays_attrs(model: KernelKMeans) -> tuple[dict, dict]:

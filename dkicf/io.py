@@ -72,7 +72,6 @@ __all__ = [
     "check_not_input",
     "check_store_safe",
     "check_writable",
-    "choose_row_chunk",
     "convert",
     "fingerprint",
     "generate",
@@ -1034,59 +1033,6 @@ def read_group(
 # chunking
 
 
-def choose_row_chunk(
-    n_features: int,
-    itemsize: int,
-    *,
-    target_bytes: int = 16 * MiB,
-    min_bytes: int = MiB,
-    max_bytes: int | None = None,
-) -> int:
-    """Rows per chunk for an ``(n, n_features)`` array of ``itemsize``-byte values.
-
-    The rule: ``rows = target_bytes // row_bytes``, raised to
-    ``ceil(min_bytes / row_bytes)`` if that is larger, then lowered to
-    ``max_bytes // row_bytes`` when ``max_bytes`` is given, and at least 1.
-    Chunks of 1 MiB or more keep object-store reads efficient; 16 MiB keeps a
-    chunk, its float64 copy and the kernel block built from it well inside a
-    worker's memory.  Callers clip the result to the number of rows.
-
-    Parameters
-    ----------
-    n_features : int
-        Columns (all in one chunk).
-    itemsize : int
-        Bytes per value (4 for float32, 8 for float64).
-    target_bytes : int, default=16 MiB
-        Aim for chunks of this size.
-    min_bytes : int, default=1 MiB
-        Never smaller, unless ``max_bytes`` says so.
-    max_bytes : int, optional
-        Never larger (except a single row that is larger by itself).
-
-    Returns
-    -------
-    int
-
-    Examples
-    --------
-    >>> choose_row_chunk(2, 8)
-    1048576
-    >>> choose_row_chunk(1000, 4, max_bytes=2 << 20)
-    524
-    """
-    n_features = _positive_int(n_features, "n_features")
-    itemsize = _positive_int(itemsize, "itemsize")
-    target_bytes = _positive_int(target_bytes, "target_bytes")
-    min_bytes = _positive_int(min_bytes, "min_bytes")
-    row_bytes = n_features * itemsize
-    rows = max(target_bytes // row_bytes, -(-min_bytes // row_bytes))
-    if max_bytes is not None:
-        max_bytes = _positive_int(max_bytes, "max_bytes")
-        rows = min(rows, max_bytes // row_bytes)
-    return max(rows, 1)
-
-
 def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}.")
@@ -1096,8 +1042,13 @@ def _positive_int(value, name: str) -> int:
 
 
 def _resolve_chunk_rows(chunk_rows, n: int, d: int, dtype: np.dtype) -> int:
+    """Rows per chunk: ``chunk_rows``, else dask's ``"auto"`` rule for all columns in one
+    chunk, which follows the ``array.chunk-size`` setting (128 MiB unless configured)."""
     if chunk_rows is None:
-        chunk_rows = choose_row_chunk(d, dtype.itemsize)
+        from dask.array.core import normalize_chunks
+
+        chunk_rows = normalize_chunks(("auto", -1), shape=(max(n, 1), max(d, 1)),
+                                      dtype=dtype)[0][0]
     return min(_positive_int(chunk_rows, "chunk_rows"), max(n, 1))
 
 
@@ -1421,7 +1372,39 @@ def _name_or_index(label_column, names: list[str]):
     return label_column
 
 
-def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+def _feature_columns(src: str, names: list[str] | None, width: int, label_idx: int | None,
+                     columns, drop_columns) -> list[int]:
+    """Indices of the feature columns: ``columns`` if given, less ``drop_columns`` and the label.
+
+    Columns are named by header name or by 0-based index (as text from the
+    command line too).
+    """
+    def index(column) -> int:
+        column = _name_or_index(column, names or [])
+        if isinstance(column, str):
+            if not names or column not in names:
+                have = ", ".join(names) if names else "no header row"
+                raise DkicfIOError(f"{src}: no column named {column!r} ({have}).")
+            return names.index(column)
+        if isinstance(column, numbers.Integral) and not isinstance(column, bool):
+            if not -width <= column < width:
+                raise DkicfIOError(f"{src}: column {column} is out of range for {width} columns.")
+            return int(column) % width
+        raise DkicfIOError(f"columns are named by header name or index, got {column!r}.")
+
+    chosen = range(width) if columns is None else [index(c) for c in columns]
+    dropped = {index(c) for c in drop_columns or ()}
+    if label_idx is not None:
+        dropped.add(label_idx)
+    features = [i for i in dict.fromkeys(chosen) if i not in dropped]
+    if not features:
+        raise DkicfIOError(f"{src} has no feature columns left besides the label and those "
+                           "dropped.")
+    return features
+
+
+def _csv_source(path: Path, src: str, label_column, block_rows: int, columns=None,
+                drop_columns=None) -> _Source:
     first = next(_text_lines(path), None)
     if first is None:
         raise DkicfIOError(f"{src} has no data lines.")
@@ -1458,23 +1441,51 @@ def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
             raise DkicfIOError(
                 f"label_column must be a column name or index, got {label_column!r}."
             )
-    features = [i for i in range(width) if i != label_idx]
-    if not features:
-        raise DkicfIOError(f"{src} has no feature columns besides the label.")
+    features = _feature_columns(src, header, width, label_idx, columns, drop_columns)
     skip = 1 if header is not None else 0
+
+    def column_name(i: int) -> str:
+        return f"column {i + 1}" + (f" ({header[i]})" if header else "")
+
+    def locate(block, cols) -> str:
+        """Where in ``block`` a value cannot be read: line and column, counted from 1."""
+        for number, text in block:
+            parts = [part.strip().strip('"') for part in text.split(delimiter)]
+            if len(parts) != width:
+                return f"line {number} has {len(parts)} fields, not {width}"
+            for i in cols:
+                try:
+                    float(parts[i])
+                except ValueError:
+                    return f"line {number}, {column_name(i)}: {parts[i]!r} is not a number"
+        return f"lines {block[0][0]} to {block[-1][0]}"
 
     def parse(block, dtype, cols):
         try:
-            return np.loadtxt(
+            values = np.loadtxt(
                 [text for _, text in block], delimiter=delimiter, usecols=cols, dtype=dtype,
                 ndmin=2 if dtype is np.float64 else 1, comments=None, quotechar='"',
             )
-        except ValueError as exc:
+        except ValueError:
+            where = locate(block, cols if dtype is np.float64 else [])
             raise DkicfIOError(
-                f"{src}, lines {block[0][0]}-{block[-1][0]}: {exc}. Each line needs {width} "
-                "fields; missing or non-numeric values must be fixed first."
-            ) from exc
+                f"{src}, {where} (lines and columns counted from 1, the header included). "
+                "Fix or remove such values first, or leave the column out with "
+                "drop_columns (dkicf convert: --drop-columns)."
+            ) from None
+        if dtype is np.float64 and not np.isfinite(values).all():
+            r, c = (int(v[0]) for v in np.nonzero(~np.isfinite(values)))
+            raise DkicfIOError(
+                f"{src}, line {block[r][0]}, {column_name(cols[c])}: NaN or infinity "
+                "(lines and columns counted from 1, the header included); remove or impute "
+                "such rows before converting."
+            )
+        return values
 
+    if delimiter is not None:
+        return _arrow_csv_source(path, src, first[0], delimiter, header, width, label_idx,
+                                 features, column_name, locate, block_rows)
+    # Numbers separated by whitespace: numpy.loadtxt reads them.
     n = 0
     coder = None
     if label_idx is None:
@@ -1489,6 +1500,104 @@ def _csv_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
         for block in _line_blocks(path, rows, skip):
             Xb = parse(block, np.float64, features)
             yb = None if coder is None else np.char.strip(parse(block, str, [label_idx]))
+            yield Xb, yb
+
+    return _Source("csv", n, len(features), coder, read)
+
+
+def _arrow_csv_source(path: Path, src: str, first_line: int, delimiter: str, header,
+                      width: int, label_idx, features: list[int], column_name, locate,
+                      block_rows: int) -> _Source:
+    """A delimited text file read by ``pyarrow.csv``, in record batches.
+
+    Leading blank and ``#`` lines are skipped, and so are ``#`` lines further
+    down that do not have as many fields as the data.  On a value pyarrow
+    cannot read, the file's lines are scanned once to name the line and
+    column.
+    """
+    try:
+        import pyarrow as pa
+        import pyarrow.csv as pacsv
+    except ImportError as exc:
+        raise DkicfIOError(
+            f"reading {src} needs pyarrow; install it (pip install 'dkicf[parquet]')."
+        ) from exc
+    names = list(header) if header is not None else [f"column{i}" for i in range(width)]
+    skip = first_line - 1 + (header is not None)
+
+    def comment_rows(row) -> str:
+        return "skip" if (row.text or "").lstrip().startswith("#") else "error"
+
+    def batches(include: list[int], rows: int):
+        types = {names[i]: pa.float64() for i in features}
+        if label_idx is not None:
+            types[names[label_idx]] = pa.string()
+        try:
+            yield from pacsv.open_csv(
+                path,
+                read_options=pacsv.ReadOptions(skip_rows=skip, column_names=names,
+                                               block_size=max(rows * width * 24, 1 << 20)),
+                parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"',
+                                                 ignore_empty_lines=True,
+                                                 invalid_row_handler=comment_rows),
+                convert_options=pacsv.ConvertOptions(
+                    include_columns=[names[i] for i in include],
+                    column_types={names[i]: types[names[i]] for i in include},
+                    strings_can_be_null=False, quoted_strings_can_be_null=False),
+            )
+        except pa.ArrowInvalid as exc:
+            where = locate_in_file(include)
+            raise DkicfIOError(
+                f"{src}, {where or exc} (lines and columns counted from 1, the header "
+                "included). Fix or remove such values first, or leave the column out with "
+                "drop_columns (dkicf convert: --drop-columns)."
+            ) from None
+
+    def locate_in_file(include: list[int]) -> str | None:
+        numeric = [i for i in include if i != label_idx]
+        for block in _line_blocks(path, 65536, 1 if header is not None else 0):
+            where = locate(block, numeric)
+            if not where.startswith("lines "):
+                return where
+        return None
+
+    def data_line(index: int) -> int:
+        """Line number of data row ``index`` (from 0), counting blank and '#' lines."""
+        lines = _text_lines(path)
+        if header is not None:
+            next(lines)
+        return next(islice(lines, index, None))[0]
+
+    coder = None
+    n = 0
+    counted = [label_idx] if label_idx is not None else features[:1]
+    if label_idx is not None:
+        coder = _LabelCoder(src)
+    for batch in batches(counted, block_rows):
+        n += batch.num_rows
+        if coder is not None:
+            coder.add(np.char.strip(batch.column(0).to_numpy(zero_copy_only=False)
+                                    .astype(str)))
+
+    def read(rows: int):
+        start = 0
+        include = features + ([label_idx] if label_idx is not None else [])
+        for batch in batches(include, rows):
+            Xb = np.column_stack([batch.column(j).to_numpy(zero_copy_only=False)
+                                  for j in range(len(features))]).astype(np.float64)
+            bad = ~np.isfinite(Xb)
+            if bad.any():
+                r, c = (int(v[0]) for v in np.nonzero(bad))
+                raise DkicfIOError(
+                    f"{src}, line {data_line(start + r)}, {column_name(features[c])}: NaN or "
+                    "infinity (lines and columns counted from 1, the header included); remove "
+                    "or impute such rows before converting."
+                )
+            yb = None
+            if label_idx is not None:
+                yb = np.char.strip(batch.column(len(features)).to_numpy(zero_copy_only=False)
+                                   .astype(str))
+            start += batch.num_rows
             yield Xb, yb
 
     return _Source("csv", n, len(features), coder, read)
@@ -1522,60 +1631,86 @@ def _svmlight_tokens(src: str, number: int, text: str) -> tuple[str, list[tuple[
 
 
 def _svmlight_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
-    """Two passes: the first finds n, the largest index and the labels; the second writes."""
+    """svmlight text read by :func:`sklearn.datasets.load_svmlight_file`, a byte range at a
+    time (``offset``/``length``, whole lines each).
+
+    Two passes: the first finds n, the smallest and largest index and the
+    labels; the second writes dense rows, with 0-based indices only if the
+    file uses index 0 somewhere (one decision for the whole file).
+    """
     if label_column is not None:
         raise DkicfIOError(
             f"label_column does not apply to svmlight files ({src}); their first field is the "
             "label."
         )
+    from sklearn.datasets import load_svmlight_file
+
+    size = path.stat().st_size
+
+    def pieces(window: int, n_features: int, zero_based=True):
+        for offset in range(0, size, window):
+            try:
+                Xs, y = load_svmlight_file(str(path), n_features=n_features,
+                                           zero_based=zero_based, offset=offset, length=window,
+                                           dtype=np.float64)
+            except ValueError as exc:
+                raise DkicfIOError(f"{src}, {_svmlight_problem(path, src) or exc}") from None
+            if Xs.shape[0]:
+                yield Xs, y
+
     coder = _LabelCoder(src)
     n = 0
     low, high = None, -1
-    for block in _line_blocks(path, block_rows):
-        labels = []
-        for number, text in block:
-            label, pairs = _svmlight_tokens(src, number, text)
-            labels.append(label)
-            for index, _ in pairs:
-                if index < 0:
-                    raise DkicfIOError(f"{src}, line {number}: negative feature index {index}.")
-                low = index if low is None else min(low, index)
-                high = max(high, index)
-        coder.add(np.asarray(labels))
-        n += len(block)
+    # The width is not known yet: any index up to int32's range is accepted.
+    for Xs, y in pieces(16 * MiB, n_features=np.iinfo(np.int32).max):
+        n += Xs.shape[0]
+        coder.add(y)
+        if Xs.nnz:
+            low = int(Xs.indices.min()) if low is None else min(low, int(Xs.indices.min()))
+            high = max(high, int(Xs.indices.max()))
     if n == 0:
         raise DkicfIOError(f"{src} has no data lines.")
     # Indices start at 1 in the format; a file that uses index 0 is zero-based.
     base = 0 if low == 0 else 1
     d = max(high - base + 1, 1)
+    # Byte ranges of about block_rows lines: dense blocks of bounded size.
+    window = max(int(block_rows * size / n), 1 << 16)
 
     def read(rows: int):
-        for block in _line_blocks(path, rows):
-            Xb = np.zeros((len(block), d))
-            labels = []
-            for r, (number, text) in enumerate(block):
-                label, pairs = _svmlight_tokens(src, number, text)
-                labels.append(label)
-                for index, value in pairs:
-                    Xb[r, index - base] = value
-            yield Xb, np.asarray(labels)
+        for Xs, y in pieces(window, n_features=d, zero_based=base == 0):
+            yield Xs.toarray(), y
 
     return _Source("svmlight", n, d, coder, read)
 
 
-def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
+def _svmlight_problem(path: Path, src: str) -> str | None:
+    """The first line of an svmlight file that load_svmlight_file refused, and why."""
+    for number, text in _text_lines(path):
+        try:
+            _, pairs = _svmlight_tokens(src, number, text)
+        except DkicfIOError as exc:
+            return str(exc).removeprefix(f"{src}, ")
+        for index, _ in pairs:
+            if index < 0:
+                return f"line {number}: negative feature index {index}."
+    return None
+
+
+def _parquet_source(path: Path, src: str, label_column, block_rows: int, columns=None,
+                    drop_columns=None) -> _Source:
     try:
         import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow.dataset as pads
     except ImportError as exc:
         raise DkicfIOError(
-            f"reading {src} needs pyarrow; install it (pip install 'dkicf[data]')."
+            f"reading {src} needs pyarrow; install it (pip install 'dkicf[parquet]')."
         ) from exc
     try:
-        pf = pq.ParquetFile(path)
+        # A file, or a directory of them (a partitioned data set), as one table.
+        pf = pads.dataset(path, format="parquet")
     except (OSError, pa.ArrowException) as exc:
         raise DkicfIOError(f"cannot read {src} as Parquet: {exc}") from exc
-    schema = pf.schema_arrow
+    schema = pf.schema
     names = list(schema.names)
     label = None
     if label_column is not None:
@@ -1596,7 +1731,9 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Sou
             raise DkicfIOError(
                 f"label_column must be a column name or index, got {label_column!r}."
             )
-    features = [c for c in names if c != label]
+    features = [names[i] for i in _feature_columns(
+        src, names, len(names), None if label is None else names.index(label), columns,
+        drop_columns)]
     numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
     bad = [f"{c} ({schema.field(c).type})" for c in features
            if not any(test(schema.field(c).type) for test in numeric)]
@@ -1610,7 +1747,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Sou
     coder = None
     if label is not None:
         coder = _LabelCoder(src)
-        for batch in pf.iter_batches(batch_size=block_rows, columns=[label]):
+        for batch in pf.to_batches(batch_size=block_rows, columns=[label]):
             column = batch.column(0)
             if column.null_count:
                 raise DkicfIOError(f"{src}: label column {label!r} has missing values.")
@@ -1618,7 +1755,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Sou
 
     def read(rows: int):
         columns = features + ([label] if label is not None else [])
-        for batch in pf.iter_batches(batch_size=rows, columns=columns):
+        for batch in pf.to_batches(batch_size=rows, columns=columns):
             Xb = np.column_stack(
                 [batch.column(i).to_numpy(zero_copy_only=False).astype(np.float64)
                  for i in range(len(features))]
@@ -1628,7 +1765,7 @@ def _parquet_source(path: Path, src: str, label_column, block_rows: int) -> _Sou
                 yb = batch.column(len(features)).to_numpy(zero_copy_only=False)
             yield Xb, yb
 
-    return _Source("parquet", pf.metadata.num_rows, len(features), coder, read)
+    return _Source("parquet", pf.count_rows(), len(features), coder, read)
 
 
 def _is_svmlight(path: Path, lines: int = 100) -> bool:
@@ -1643,18 +1780,22 @@ def _is_svmlight(path: Path, lines: int = 100) -> bool:
     return False
 
 
-def _open_source(path: Path, src: str, label_column, block_rows: int) -> _Source:
-    suffix = path.suffix.lower()
-    if suffix == ".txt" and not _is_svmlight(path):
-        return _csv_source(path, src, label_column, block_rows)
+def _open_source(path: Path, src: str, label_column, block_rows: int, columns=None,
+                 drop_columns=None) -> _Source:
+    suffix = ".parquet" if path.is_dir() else path.suffix.lower()
+    table = suffix in (".csv", ".parquet") or (suffix == ".txt" and not _is_svmlight(path))
+    if (columns is not None or drop_columns) and not table:
+        raise DkicfIOError(
+            f"columns and drop_columns apply to .csv and .parquet sources, not {src}."
+        )
+    if table and suffix != ".parquet":
+        return _csv_source(path, src, label_column, block_rows, columns, drop_columns)
+    if suffix == ".parquet":
+        return _parquet_source(path, src, label_column, block_rows, columns, drop_columns)
     if suffix == ".npy":
         return _npy_source(path, src, label_column)
     if suffix == ".npz":
         return _npz_source(path, src, label_column)
-    if suffix == ".csv":
-        return _csv_source(path, src, label_column, block_rows)
-    if suffix == ".parquet":
-        return _parquet_source(path, src, label_column, block_rows)
     return _svmlight_source(path, src, label_column, block_rows)
 
 
@@ -1668,6 +1809,8 @@ def convert(
     storage_options: dict | None = None,
     label_column: str | int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    columns: list[str | int] | None = None,
+    drop_columns: list[str | int] | None = None,
 ) -> dict[str, Any]:
     """Convert a data file to a dataset store, reading it in row blocks.
 
@@ -1682,8 +1825,11 @@ def convert(
     blocks of lines, first for the size and labels; indices are 1-based
     unless the file uses index 0; written dense), other ``.txt`` files as
     ``.csv`` (delimited numbers, as :func:`numpy.loadtxt` reads them) and
-    ``.parquet`` (numeric columns, read batch by batch).  Large sources are
-    never loaded whole.
+    ``.parquet`` files and directories of them (a partitioned data set, read
+    with ``pyarrow.dataset``; numeric columns, read batch by batch).
+    Delimited text goes through ``pyarrow.csv`` and svmlight through
+    :func:`sklearn.datasets.load_svmlight_file` on byte ranges.  Large
+    sources are never loaded whole.
 
     Labels (``y`` of an .npz, the first field of svmlight lines, the
     ``label_column`` of a csv/parquet file) are stored as int64 class indices
@@ -1700,7 +1846,8 @@ def convert(
         dtype of the stored X.
     chunk_rows : int, optional
         Rows per chunk, and rows per block read from the source; by default
-        :func:`choose_row_chunk`.
+        dask's ``"auto"`` chunking (the ``array.chunk-size`` setting, 128 MiB
+        unless configured), all columns in one chunk.
     overwrite : bool, default=False
         Replace an existing store at ``dst`` (only after the new one is
         complete, for local paths).
@@ -1711,6 +1858,10 @@ def convert(
         no labels are read from them.
     progress : callable, optional
         Called as ``progress(rows_written, n_samples)`` after every chunk.
+    columns, drop_columns : list of str or int, optional
+        csv and parquet: the feature columns to keep (default: all but the
+        label), and columns to leave out (an id, a text column), by header
+        name or 0-based index.
 
     Returns
     -------
@@ -1739,19 +1890,20 @@ def convert(
     src_name = os.fspath(src)
     dst = os.fspath(dst)
     target = _target_dtype(dtype)
-    if path.suffix.lower() not in _SUFFIXES:
+    parquet_dir = path.is_dir() and any(path.rglob("*.parquet"))
+    if path.suffix.lower() not in _SUFFIXES and not parquet_dir:
         raise DkicfIOError(
             f"cannot convert {src_name}: unknown file type {path.suffix!r}; supported: "
             f"{', '.join(_SUFFIXES)}."
         )
-    if not path.is_file():
+    if not path.is_file() and not parquet_dir:
         raise DkicfIOError(f"cannot convert {src_name}: no such file.")
     check_writable(dst, overwrite=overwrite, storage_options=storage_options)
     if chunk_rows is not None:
         _positive_int(chunk_rows, "chunk_rows")
     # Text sources are read in blocks of this many lines before the width is known.
     block_rows = chunk_rows or 65536
-    source = _open_source(path, src_name, label_column, block_rows)
+    source = _open_source(path, src_name, label_column, block_rows, columns, drop_columns)
     if source.n == 0 or source.d == 0:
         raise DkicfIOError(f"{src_name} is empty: {source.n} rows, {source.d} columns.")
     rows = _resolve_chunk_rows(chunk_rows, source.n, source.d, target)
@@ -1822,7 +1974,8 @@ def generate(
     n : int
         Number of rows.
     chunk_rows : int, optional
-        Rows per chunk; by default :func:`choose_row_chunk`.
+        Rows per chunk; by default dask's ``"auto"`` chunking (the
+        ``array.chunk-size`` setting), all columns in one chunk.
     dtype : {"float64", "float32"}, default="float64"
         dtype of the stored X.
     random_state : int, default=0

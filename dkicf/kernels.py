@@ -33,6 +33,7 @@ __all__ = [
     "PolynomialKernel",
     "LinearKernel",
     "CallableKernel",
+    "PairwiseKernel",
     "KERNELS",
     "make_kernel",
     "median_gamma",
@@ -337,6 +338,55 @@ class CallableKernel(Kernel):
         return hash(self.func)
 
 
+class PairwiseKernel(Kernel):
+    """A kernel of :func:`sklearn.metrics.pairwise.pairwise_kernels`, by its metric name.
+
+    The fallback for the names that dkicf does not define itself
+    (``"sigmoid"``, ``"cosine"``, ``"chi2"``, ``"additive_chi2"``).  Blocks
+    are one call of ``pairwise_kernels``; the diagonal calls it on each row
+    alone, one Python call per row (about 20 to 50 µs each: some seconds per
+    million rows and pass, so several times slower than a kernel of dkicf's
+    own, whose diagonal is a closed form).  Not every such kernel is
+    positive semi-definite: ``"sigmoid"`` is not, and the factorization then
+    stops where its residual diagonal turns negative.
+
+    Parameters
+    ----------
+    metric : str
+        A name in ``sklearn.metrics.pairwise.PAIRWISE_KERNEL_FUNCTIONS``.
+    params : dict, optional
+        Keyword arguments of the kernel function (JSON values), e.g.
+        ``{"gamma": 0.5, "coef0": 1.0}`` for ``"sigmoid"``.
+    """
+
+    def __init__(self, metric: str, params: dict | None = None):
+        from sklearn.metrics.pairwise import PAIRWISE_KERNEL_FUNCTIONS
+
+        if metric not in PAIRWISE_KERNEL_FUNCTIONS:
+            valid = ", ".join(sorted(PAIRWISE_KERNEL_FUNCTIONS))
+            raise ValueError(f"Unknown pairwise kernel {metric!r}. Valid: {valid}.")
+        self.name = metric
+        self.params = dict(params or {})
+
+    def block(self, A, B, a_aux=None, b_aux=None):
+        from sklearn.metrics.pairwise import pairwise_kernels
+
+        return np.asarray(pairwise_kernels(np.asarray(A, dtype=np.float64),
+                                           np.asarray(B, dtype=np.float64),
+                                           metric=self.name, **self.params), dtype=np.float64)
+
+    def diag(self, X, aux=None):
+        X = np.asarray(X, dtype=np.float64)
+        return np.array([self.block(row[None, :], row[None, :])[0, 0] for row in X],
+                        dtype=np.float64)
+
+    def get_params(self):
+        return {"kernel": self.name, "kernel_params": dict(self.params)}
+
+    def __repr__(self) -> str:
+        return f"PairwiseKernel({self.name!r}, {self.params!r})"
+
+
 KERNELS: dict[str, type[Kernel]] = {
     "gaussian": GaussianKernel,
     "rbf": GaussianKernel,
@@ -437,6 +487,7 @@ def make_kernel(
     coef0: float = 1.0,
     X_sample: np.ndarray | None = None,
     seed: int = 0,
+    kernel_params: dict | None = None,
 ) -> Kernel:
     """Build a :class:`Kernel` from a name (or callable) and its parameters.
 
@@ -456,14 +507,31 @@ def make_kernel(
         polynomial default.
     seed : int
         Seed of the median heuristic.
+    kernel_params : dict, optional
+        Keyword arguments of a callable kernel, or of a kernel that
+        :func:`sklearn.metrics.pairwise.pairwise_kernels` defines and dkicf
+        does not (``"sigmoid"``, ``"cosine"``, ``"chi2"``, ``"additive_chi2"``:
+        a :class:`PairwiseKernel`, which also takes ``gamma``, ``degree`` and
+        ``coef0`` where the function has them).  dkicf's own kernels take
+        ``gamma``, ``degree`` and ``coef0`` instead.
 
     Returns
     -------
     Kernel
+
+    Examples
+    --------
+    >>> from dkicf.kernels import make_kernel
+    >>> make_kernel("sigmoid", gamma=0.5, kernel_params={"coef0": 0.0})
+    PairwiseKernel('sigmoid', {'gamma': 0.5, 'coef0': 0.0})
     """
     if isinstance(kernel, Kernel):
         return kernel
     if callable(kernel):
+        if kernel_params:
+            import functools
+
+            return CallableKernel(functools.partial(kernel, **kernel_params))
         return CallableKernel(kernel)
     if not isinstance(kernel, str):
         raise TypeError(
@@ -472,10 +540,13 @@ def make_kernel(
     try:
         cls = KERNELS[kernel.lower()]
     except KeyError:
-        valid = ", ".join(sorted(KERNELS))
+        return _pairwise_kernel(kernel, gamma, degree, coef0, kernel_params)
+    if kernel_params:
         raise ValueError(
-            f"Unknown kernel {kernel!r}. Valid kernels are: {valid}, or a callable."
-        ) from None
+            f"kernel_params={kernel_params!r} applies to callable kernels and to those of "
+            f"sklearn.metrics.pairwise that dkicf does not define; the {cls.name} kernel "
+            "takes gamma, degree and coef0."
+        )
     if cls is LinearKernel:
         return LinearKernel()
     if cls is PolynomialKernel:
@@ -498,3 +569,27 @@ def make_kernel(
     elif isinstance(gamma, str):
         raise ValueError(f"gamma must be a positive number or 'median', got {gamma!r}.")
     return cls(_check_gamma(gamma))
+
+
+def _pairwise_kernel(name: str, gamma, degree, coef0, kernel_params) -> PairwiseKernel:
+    """The :class:`PairwiseKernel` fallback for a name dkicf does not define."""
+    from sklearn.metrics.pairwise import KERNEL_PARAMS, PAIRWISE_KERNEL_FUNCTIONS
+
+    if name not in PAIRWISE_KERNEL_FUNCTIONS:
+        valid = ", ".join(sorted(set(KERNELS) | set(PAIRWISE_KERNEL_FUNCTIONS)))
+        raise ValueError(f"Unknown kernel {name!r}. Valid kernels are: {valid}, or a callable.")
+    accepted = KERNEL_PARAMS[name]
+    params = {}
+    if isinstance(gamma, str):
+        raise ValueError(
+            f"gamma={gamma!r} is defined for the gaussian and laplacian kernels; give the "
+            f"{name} kernel a number, or None for the default of sklearn.metrics.pairwise."
+        )
+    if "gamma" in accepted and gamma is not None:
+        params["gamma"] = _check_gamma(gamma)
+    if "degree" in accepted:
+        params["degree"] = degree
+    if "coef0" in accepted:
+        params["coef0"] = float(coef0)
+    params.update(kernel_params or {})
+    return PairwiseKernel(name, params)

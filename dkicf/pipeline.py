@@ -328,7 +328,9 @@ def _plan_by_task(chunk_rows, d, itemsize, s, threads, worker_memory, usable, pe
 
 
 def _worker_resources(client) -> tuple[int | None, int, int]:
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    from ._cluster import all_workers
+
+    workers = all_workers(client)
     if not workers:
         raise RuntimeError(
             "the dask cluster has no workers; start some or wait for them before fitting."
@@ -404,6 +406,10 @@ def fit_store(
 ) -> dict:
     """Fit :class:`~dkicf.KernelKMeans` on a Zarr dataset and write the output group.
 
+    ``client`` is the dask cluster's client; None runs the fit in this
+    process on numpy, reading X whole: for data that fit in memory, without
+    ``checkpoint`` or ``p_storage="zarr"``.
+
     With ``checkpoint`` (a Zarr group), the factorization commits its state
     every ``checkpoint_every`` iterations (P's new columns with it, or P
     itself when the plan keeps P in Zarr), and k-means
@@ -444,7 +450,15 @@ def fit_store(
     X, y, info = io.open_dataset(store, storage_options=storage_options)
     model = KernelKMeans(**params)
     model._check_params(X.shape[0])
-    worker_memory, n_workers, threads = _worker_resources(client)
+    if client is None:
+        if checkpoint is not None or p_storage == "zarr":
+            raise ValueError(
+                "a checkpoint, or P in Zarr, needs a dask cluster: pass client= (dkicf fit: "
+                "--scheduler or --cluster)."
+            )
+        worker_memory, n_workers, threads = None, 1, 1
+    else:
+        worker_memory, n_workers, threads = _worker_resources(client)
     plan = plan_fit(
         X.shape, X.chunks[0][0], X.dtype.itemsize, model.rank,
         worker_memory=worker_memory, n_workers=n_workers, threads_per_worker=threads,
@@ -468,7 +482,8 @@ def fit_store(
                          storage_options=storage_options)
         t0 = time.perf_counter()
         icf = incomplete_cholesky(
-            X, kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
+            X if client is not None else X.compute(scheduler="threads"),
+            kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
             max_rank=model.rank, tol=model.tol, pivoting=model.pivoting, client=client,
             persist=plan.persist_x,
             random_state=icf_seed, progress=progress,
@@ -489,19 +504,25 @@ def fit_store(
             **_kmeans_checkpoint_args(checkpoint, resume, storage_options),
         )
         t_km = time.perf_counter() - t0
+        labels, P = km.labels, icf.P
+        if client is None:  # numpy, written and counted in X's row chunks
+            import dask.array as da
+
+            labels = da.from_array(labels, chunks=(X.chunks[0],))
+            P = da.from_array(P, chunks=(X.chunks[0], -1))
         model.n_features_in_ = X.shape[1]
         model._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
         arrays, attrs = _model_arrays_attrs(model)
         attrs["input"] = _input_fingerprint(store, info, storage_options)
         attrs["plan"] = asdict(plan)
         t0 = time.perf_counter()
-        io.write_dask(target, "labels", km.labels.astype(np.int32),
+        io.write_dask(target, "labels", labels.astype(np.int32),
                       storage_options=storage_options)
         if not save_p:
             if p_where == "zarr" and checkpoint is None:  # written there by the fit
                 io.remove_member(target, "P", storage_options=storage_options)
         elif p_where != "zarr" or checkpoint is not None:
-            io.write_dask(target, "P", icf.P, storage_options=storage_options)
+            io.write_dask(target, "P", P, storage_options=storage_options)
         io.write_members(target, arrays, attrs, storage_options=storage_options)
         t_write = time.perf_counter() - t0
     report = {
@@ -527,7 +548,7 @@ def fit_store(
     if km.info.get("resumed_from") is not None:
         report["kmeans_resumed_from"] = km.info["resumed_from"]
     if y is not None:
-        table = _contingency(km.labels, y, model.n_clusters)
+        table = _contingency(labels, y, model.n_clusters)
         report["accuracy"] = _accuracy_from_contingency(table)
     return report
 

@@ -343,3 +343,43 @@ _CHECKED = [
 @parametrize_with_checks(_CHECKED)
 def test_sklearn_compatible(estimator, check):
     check(estimator)
+
+
+def test_rff_features_equal_scikit_learns_rbfsampler():
+    """Same draws, same map: sqrt(2/D) cos(x W + b) with W ~ N(0, 2 gamma), b ~ U[0, 2 pi)."""
+    from sklearn.kernel_approximation import RBFSampler
+
+    X = np.random.default_rng(0).normal(size=(50, 3))
+    ref = RBFSampler(gamma=0.7, n_components=64, random_state=0).fit(X)
+    ours = RFFKernelKMeans(n_clusters=2, n_components=64, gamma=0.7, random_state=0).fit(X)
+    ours.random_weights_ = ref.random_weights_
+    ours.random_offset_ = ref.random_offset_
+    np.testing.assert_allclose(ours.embed(X), ref.transform(X), rtol=1e-12, atol=1e-12)
+    # The draws themselves have the distribution RBFSampler uses.
+    big = RFFKernelKMeans(n_clusters=2, n_components=20000, gamma=0.7, random_state=1).fit(X)
+    assert abs(big.random_weights_.std() - np.sqrt(2 * 0.7)) < 0.02
+    assert abs(big.random_offset_.mean() - np.pi) < 0.05
+
+
+def test_nystrom_features_equal_scikit_learns_nystroem():
+    """On the same subset, K_nB K_BB^(-1/2) is what sklearn's Nystroem computes."""
+    from sklearn.kernel_approximation import Nystroem
+
+    from dkicf.kernels import GaussianKernel
+
+    X = np.random.default_rng(1).normal(size=(80, 3))
+    ref = Nystroem(kernel="rbf", gamma=0.3, n_components=20, random_state=0).fit(X)
+    subset = np.asarray(ref.component_indices_)
+
+    class Draw:  # the subset sklearn drew, in place of our own draw
+        def choice(self, n, size, replace):
+            return subset
+
+    ours = NystromKernelKMeans(n_clusters=2, n_components=20, gamma=0.3)
+    ours.kernel_ = GaussianKernel(0.3)
+    F = ours._fit_map(X, ours.kernel_, Draw())
+    order = np.argsort(subset)  # our subset is sorted: sklearn's columns in that order
+    expected = ref.transform(X)
+    np.testing.assert_allclose(F @ F.T, expected @ expected.T, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(F, expected[:, order], rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(ours._map(X[:7]), ref.transform(X[:7])[:, order], atol=1e-8)

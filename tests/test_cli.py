@@ -22,6 +22,23 @@ def dkicf(*args, cwd, timeout=300):
 CLUSTER = ("--workers", "2", "--threads", "1", "--memory-limit", "1GiB", "--quiet")
 
 
+def run_main(capsys, *args, cwd=None):
+    """``dkicf ARGS`` in this process (no interpreter to start): (status, stdout, stderr)."""
+    from dkicf.cli import main
+
+    old = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    finally:
+        os.chdir(old)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.fixture(scope="module")
 def ring_store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
@@ -107,63 +124,76 @@ def test_a_model_without_p_predicts_the_same(ring_store, tmp_path, p_storage):
                                                           "slim.zarr"]
 
 
-def test_existing_output_is_refused_and_left_intact(ring_store):
+def test_existing_output_is_refused_and_left_intact(ring_store, capsys):
     tmp = ring_store
     out = tmp / "keep.zarr"
     out.mkdir()
     (out / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group",
                                                "attributes": {"mine": 1}}))
     before = (out / "zarr.json").read_bytes()
-    proc = dkicf("fit", "ring.zarr", "--clusters", "2", "--out", out, *CLUSTER, cwd=tmp)
-    assert proc.returncode == 2
-    assert "already exists" in proc.stderr and "overwrite" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = run_main(capsys, "fit", "ring.zarr", "--clusters", "2", "--out", out,
+                            *CLUSTER, cwd=tmp)
+    assert code == 2
+    assert "already exists" in err and "overwrite" in err
+    assert "Traceback" not in err
     assert (out / "zarr.json").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["zarr.json"]
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, message, status",
     [
-        (("fit", "missing.zarr", "--clusters", "2", "--out", "o.zarr"), "no Zarr store"),
-        (("info", "missing.zarr"), "no Zarr store"),
-        (("fit", "ring.zarr", "--clusters", "0", "--out", "o.zarr"), "expected an integer >= 1"),
+        (("fit", "missing.zarr", "--clusters", "2", "--out", "o.zarr"), "no Zarr store", 1),
+        (("info", "missing.zarr"), "no Zarr store", 1),
+        (("fit", "ring.zarr", "--clusters", "0", "--out", "o.zarr"), "expected an integer >= 1",
+         2),
         (("fit", "ring.zarr", "--clusters", "2", "--gamma", "-1", "--out", "o.zarr"),
-         "gamma must be > 0"),
+         "gamma must be > 0", 2),
         # Options for remote stores given with local paths only would be ignored.
         (("fit", "ring.zarr", "--clusters", "2", "--out", "o.zarr", "--storage-option",
-          "anon=true"), "--storage-option applies to stores named by URL (s3://"),
+          "anon=true"), "--storage-option applies to stores named by URL (s3://", 2),
         (("info", "ring.zarr", "--storage-options-file", "opts.json"),
-         "--storage-options-file applies to stores named by URL"),
+         "--storage-options-file applies to stores named by URL", 2),
         (("generate", "ring", "g.zarr", "--n", "100", "--storage-option", "anon=true"),
-         "every path here is local (g.zarr)"),
+         "every path here is local (g.zarr)", 2),
     ],
 )
-def test_usage_errors_are_one_line_with_status_2(ring_store, args, message):
-    proc = dkicf(*args, cwd=ring_store)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) <= 2
+def test_errors_are_one_line_with_status_2_for_usage_and_1_for_the_rest(
+        ring_store, args, message, status, capsys, monkeypatch):
+    from dkicf.cli import main
+
+    monkeypatch.chdir(ring_store)
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == status, err
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2
 
 
-def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path):
+def test_group_where_array_expected_and_debug_traceback(ring_store, tmp_path, capsys):
     import zarr
+
+    from dkicf.io import DkicfIOError
 
     g = zarr.open_group(str(tmp_path / "g.zarr"), mode="w")
     g.create_group("sub")
-    proc = dkicf("fit", tmp_path / "g.zarr", "--clusters", "2", "--out", tmp_path / "o.zarr",
-                 *CLUSTER, cwd=tmp_path)
-    assert proc.returncode == 2 and "without an array X" in proc.stderr
-    debug = dkicf("--debug", "info", tmp_path / "missing.zarr", cwd=tmp_path)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    code, _, err = run_main(capsys, "fit", tmp_path / "g.zarr", "--clusters", "2", "--out",
+                            tmp_path / "o.zarr", *CLUSTER, cwd=tmp_path)
+    assert code == 1 and "without an array X" in err
+    with pytest.raises(DkicfIOError, match="no Zarr store"):  # --debug: the exception itself
+        run_main(capsys, "--debug", "info", tmp_path / "missing.zarr", cwd=tmp_path)
 
 
-def test_labels_of_the_wrong_length_are_refused(tmp_path):
+def test_labels_of_the_wrong_length_are_refused(tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", X=np.zeros((10, 2)), y=np.zeros(9, dtype=int))
-    proc = dkicf("convert", tmp_path / "bad.npz", tmp_path / "bad.zarr", cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "9" in proc.stderr and "10" in proc.stderr
+    code, _, err = run_main(capsys, "convert", tmp_path / "bad.npz", tmp_path / "bad.zarr",
+                            cwd=tmp_path)
+    assert code == 1 and "Traceback" not in err
+    assert "9" in err and "10" in err
     assert not (tmp_path / "bad.zarr").exists()
 
 
@@ -190,6 +220,7 @@ def test_generate_writes_chunk_by_chunk(tmp_path):
     assert sorted(np.unique(g["y"][...])) == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
     """X is twice the worker's memory limit; the fit completes and the worker stays below it."""
     import dask
@@ -292,25 +323,27 @@ def _tree(path):
      "model.zarr"),
     (lambda t: ("predict", t / "model.zarr", t / "in.zarr", "--out", t / "in.zarr"), "in.zarr"),
 ])
-def test_an_output_that_is_an_input_is_refused_even_with_overwrite(tmp_path, make_args, victim):
+def test_an_output_that_is_an_input_is_refused_even_with_overwrite(tmp_path, make_args, victim,
+                                                                   capsys):
     import zarr
 
     for name in ("in.zarr", "model.zarr"):
         g = zarr.open_group(str(tmp_path / name), mode="w")
         g.create_array("X", data=np.arange(12.0).reshape(6, 2))
     before = {name: _tree(tmp_path / name) for name in ("in.zarr", "model.zarr")}
-    proc = dkicf(*make_args(tmp_path), "--overwrite", *CLUSTER, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert "would replace data this run reads" in proc.stderr and "Traceback" not in proc.stderr
-    assert victim in proc.stderr
+    code, _, err = run_main(capsys, *make_args(tmp_path), "--overwrite", *CLUSTER,
+                            cwd=tmp_path)
+    assert code == 2, err
+    assert "would replace data this run reads" in err and "Traceback" not in err
+    assert victim in err
     for name, tree in before.items():
         assert _tree(tmp_path / name) == tree
 
 
-def test_resume_without_checkpoint_is_refused(ring_store):
-    proc = dkicf("fit", "ring.zarr", "--clusters", "2", "--resume", "--out", "r.zarr",
-                 *CLUSTER, cwd=ring_store)
-    assert proc.returncode == 2 and "--resume" in proc.stderr and "--checkpoint" in proc.stderr
+def test_resume_without_checkpoint_is_refused(ring_store, capsys):
+    code, _, err = run_main(capsys, "fit", "ring.zarr", "--clusters", "2", "--resume", "--out",
+                            "r.zarr", *CLUSTER, cwd=ring_store)
+    assert code == 2 and "--resume" in err and "--checkpoint" in err
     assert not (ring_store / "r.zarr").exists()
 
 
@@ -398,3 +431,263 @@ def test_the_python_pipeline_refuses_an_output_that_is_an_input(tmp_path):
         predict_store(str(tmp_path / "in.zarr"), str(tmp_path / "in.zarr" / "X"), str(tmp_path),
                       client=None, overwrite=True)
     assert _tree(tmp_path) == before
+
+
+def test_checkpoint_every_without_checkpoint_is_refused(ring_store, capsys):
+    from dkicf.cli import main
+
+    code = main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--checkpoint-every",
+                 "5", "--out", str(ring_store / "ce.zarr"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint-every" in err and "--checkpoint URL" in err
+    assert not (ring_store / "ce.zarr").exists()
+
+
+def test_python_dash_m_dkicf_is_the_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dkicf", "--version"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    from dkicf import __version__
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"dkicf {__version__}"
+
+
+def test_help_and_version_import_neither_scikit_learn_nor_the_cluster(tmp_path):
+    """What made ``dkicf --help`` take seconds: imports it does not need (scikit-learn,
+    distributed, zarr; the parser reads the k-means names from dkicf.kmeans, with scipy)."""
+    code = (
+        "import sys\n"
+        "from dkicf.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['fit', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('sklearn', 'distributed', 'zarr')\n"
+        "               if m in sys.modules)\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stderr, proc.stderr
+
+
+def test_the_package_api_resolves_lazily():
+    import dkicf
+    import dkicf.kmeans  # the submodule: dkicf.kmeans stays the function
+
+    assert callable(dkicf.kmeans) and dkicf.kmeans.__module__ == "dkicf.kmeans"
+    for name in dkicf.__all__:
+        assert getattr(dkicf, name) is not None, name
+    assert dkicf.KernelKMeans.__module__ == "dkicf.estimator"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        dkicf.nope  # noqa: B018
+
+
+def test_help_shows_every_default(capsys):
+    from dkicf.cli import main
+
+    for command in ("fit", "predict", "convert", "generate", "info", "plot", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "-v, --verbose" in text
+        if command in ("fit", "predict", "demo"):
+            for default in ("--workers WORKERS local or kubernetes workers (default: 2, dask "
+                            "config dkicf.cluster.workers)",
+                            "--threads THREADS threads per worker (default: 1, dask config "
+                            "dkicf.cluster.threads)",
+                            "--jobs JOBS batch jobs (slurm/pbs; default: 1)",
+                            "--timeout TIMEOUT seconds to wait for a scheduler",
+                            "--name NAME cluster name (kubernetes) (default: dkicf)"):
+                assert default in text, (command, default)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "1 failure while running" in " ".join(capsys.readouterr().out.split())
+
+
+def test_verbose_shows_dkicf_info_logs(tmp_path):
+    """-v: dkicf's INFO logs reach stderr; without it, only warnings."""
+    code = (
+        "import logging, sys\n"
+        "from dkicf.cli import main\n"
+        "main(sys.argv[1:] + ['info', 'missing.zarr'])\n"
+        "logging.getLogger('dkicf.probe').info('probe message')\n"
+        "logging.getLogger('distributed.probe').info('distributed chatter')\n"
+    )
+    for flags, shown in (([], False), (["-v"], True), (["--verbose"], True)):
+        proc = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)
+        assert ("INFO dkicf.probe: probe message" in proc.stderr) is shown, proc.stderr
+        assert "distributed chatter" not in proc.stderr
+
+
+def test_a_scheduler_that_does_not_answer_is_a_runtime_failure(ring_store, capsys):
+    import socket
+
+    from dkicf.cli import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--out",
+                 str(ring_store / "nowhere.zarr"), "--scheduler", f"tcp://127.0.0.1:{port}",
+                 "--timeout", "1", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_small_data_run_in_process_and_report_json(ring_store, tmp_path):
+    """No cluster flag and data that fit in memory: fit and predict run in this process
+    (no LocalCluster), with the same model format, and --json prints one object."""
+    import zarr
+
+    fit = dkicf("-v", "fit", ring_store / "ring.zarr", "--clusters", "2", "--gamma", "16",
+                "--rank", "50", "--out", tmp_path / "m.zarr", "--quiet", "--json", cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr
+    report = json.loads(fit.stdout)
+    assert report["where"] == "in-process" and report["accuracy"] == 1.0
+    assert report["rank"] == 50 and report["out"] == str(tmp_path / "m.zarr")
+    assert "running in this process on numpy" in fit.stderr
+    assert "distributed" not in fit.stderr
+    group = zarr.open_group(str(tmp_path / "m.zarr"), mode="r")
+    assert group["labels"].chunks == (700,) and group["P"].shape == (3000, 50)
+    pred = dkicf("predict", tmp_path / "m.zarr", ring_store / "ring.zarr", "--out",
+                 tmp_path / "l.zarr", "--json", cwd=tmp_path)
+    assert pred.returncode == 0, pred.stderr
+    assert json.loads(pred.stdout)["where"] == "in-process"
+    np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "l.zarr"))["labels"][...],
+                                  group["labels"][...])
+    info = dkicf("info", tmp_path / "m.zarr", "--json", cwd=tmp_path)
+    details = json.loads(info.stdout)
+    assert details["kind"] == "model" and details["rank"] == 50
+    info = dkicf("info", ring_store / "ring.zarr", "--json", "--rank", "20", cwd=tmp_path)
+    details = json.loads(info.stdout)
+    assert details["shape"] == [3000, 2] and details["fit_estimate"]["rank"] == 20
+
+
+def test_refusals_come_before_any_cluster_starts(ring_store, tmp_path, capsys, monkeypatch):
+    import dkicf.deploy
+    from dkicf.cli import main
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(dkicf.deploy, "start_cluster", no_cluster)
+    store = str(ring_store / "ring.zarr")
+    code = main(["fit", store, "--clusters", "3001", "--out", str(tmp_path / "o.zarr"),
+                 "--cluster", "local", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "n_samples=3000 should be >= n_clusters=3001" in err
+    np.save(tmp_path / "wide.npy", np.zeros((10, 3)))
+    from dkicf import io
+
+    io.convert(tmp_path / "wide.npy", tmp_path / "wide.zarr")
+    main(["fit", store, "--clusters", "2", "--rank", "5", "--out", str(tmp_path / "m.zarr"),
+          "--quiet"])
+    capsys.readouterr()
+    code = main(["predict", str(tmp_path / "m.zarr"), str(tmp_path / "wide.zarr"), "--out",
+                 str(tmp_path / "l.zarr"), "--cluster", "local", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "has 3 features but the model" in err and "fitted on 2" in err
+    assert not (tmp_path / "o.zarr").exists() and not (tmp_path / "l.zarr").exists()
+
+
+def test_demo_writes_to_a_temporary_folder_and_says_where_and_how_much(tmp_path):
+    proc = dkicf("demo", "--n", "2000", "--rank", "10", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing in the working directory
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("data, model and plots go to ")
+    work = first.rsplit(" ", 1)[1]
+    try:
+        last = proc.stdout.splitlines()[-1]
+        assert last.startswith(f"{work} holds ") and last.endswith(f"rm -r {work}")
+        assert "where: in-process" in proc.stdout
+    finally:
+        import shutil
+
+        shutil.rmtree(work)
+
+
+def test_nan_on_a_local_cluster_is_one_line_without_worker_dumps(tmp_path):
+    """The workers' "Compute Failed" dump of an error dkicf reports itself is dropped, and
+    distributed's INFO logs stay out of stderr."""
+    import zarr
+
+    X = np.random.default_rng(0).normal(size=(2000, 2))
+    X[1500, 1] = np.nan
+    zarr.open_group(str(tmp_path / "nan.zarr"), mode="w").create_array(
+        "X", data=X, chunks=(500, 2))
+    proc = dkicf("fit", "nan.zarr", "--clusters", "2", "--gamma", "1", "--out", "m.zarr",
+                 "--cluster", "local", "--workers", "1", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "dkicf fit: error: X contains NaN or infinity: first at row 1500 (chunk 3). Remove or "
+        "impute those rows before clustering."
+    ]
+
+
+def test_worker_filter_drops_only_dkicf_errors():
+    import logging
+
+    from dkicf._worker_preload import _OwnErrorsFilter
+
+    def record(exception_text):
+        return logging.LogRecord("distributed.worker", logging.ERROR, "w.py", 1,
+                                 "Compute Failed\nKey: %s\nState: %s\nTask: %s\nException: %r\n",
+                                 ("k", "executing", "task", exception_text), None)
+
+    keep = _OwnErrorsFilter().filter
+    assert not keep(record("NonFiniteError('X contains NaN')"))
+    assert not keep(record("MissingChunkError('chunk c/1/0 ...')"))
+    assert keep(record("ZeroDivisionError('division by zero')"))
+    assert keep(logging.LogRecord("distributed.worker", logging.ERROR, "w.py", 1, "other",
+                                  (), None))
+
+
+def test_overwrite_replaces_only_what_the_command_writes(ring_store, tmp_path, capsys):
+    """convert --overwrite onto a model is refused; onto a dataset it replaces it."""
+    from dkicf.cli import main
+
+    model = tmp_path / "m.zarr"
+    assert main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--rank", "5",
+                 "--out", str(model), "--quiet"]) == 0
+    before = _tree(model)
+    np.save(tmp_path / "x.npy", np.ones((4, 2)))
+    capsys.readouterr()
+    code = main(["convert", str(tmp_path / "x.npy"), str(model), "--overwrite", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a model, and --overwrite replaces only a dataset" in err
+    code = main(["generate", "ring", str(model), "--n", "10", "--overwrite", "--quiet"])
+    assert code == 2 and _tree(model) == before
+    data = tmp_path / "d.zarr"
+    assert main(["convert", str(tmp_path / "x.npy"), str(data), "--quiet"]) == 0
+    assert main(["generate", "ring", str(data), "--n", "10", "--overwrite", "--quiet"]) == 0
+    code = main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--out", str(data),
+                 "--overwrite", "--quiet"])
+    assert code == 2 and "holds a dataset, and --overwrite replaces only a model" in (
+        capsys.readouterr().err)
+
+
+def test_convert_columns_flags(tmp_path, capsys):
+    from dkicf.cli import main
+
+    (tmp_path / "t.csv").write_text("id,a,b,name\n7,1,2,x\n8,3,4,y\n")
+    code = main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "t.zarr"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "line 2, column 4 (name): 'x' is not a number" in err
+    assert "leave the column out with --drop-columns" in err
+    assert main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "t.zarr"),
+                 "--drop-columns", "id,name", "--quiet"]) == 0
+    assert main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "u.zarr"),
+                 "--columns", "b,a", "--quiet"]) == 0
+    from dkicf import io
+
+    np.testing.assert_array_equal(io.open_dataset(str(tmp_path / "t.zarr"))[0].compute(),
+                                  [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(io.open_dataset(str(tmp_path / "u.zarr"))[0].compute(),
+                                  [[2, 1], [4, 3]])

@@ -193,9 +193,9 @@ def test_absent_file_and_no_network_gives_a_clear_error(tmp_path, no_network):
     assert no_network == [datasets.LIBSVM_URL + "satimage.scale"]
 
 
-def test_missing_pooch_asks_for_the_data_extra(tmp_path, monkeypatch):
+def test_missing_pooch_asks_for_the_datasets_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pooch", None)  # import pooch -> ImportError
-    with pytest.raises(ImportError, match=r'pip install "dkicf\[data\]"'):
+    with pytest.raises(ImportError, match=r'pip install "dkicf\[datasets\]"'):
         load_dataset("mnist", data_home=tmp_path)
 
 

@@ -1404,17 +1404,22 @@ def test_dockerfile_is_pinned_non_root_and_passes_commands_through():
         assert ignored(unwanted), unwanted
 
 
-def _cli_fit(tmp_path, name, *extra):
-    import zarr
-
+def _ring_store(directory: Path) -> Path:
     from dkicf import io
     from dkicf.synthetic import make_ring
 
-    data = tmp_path / "ring.zarr"
+    data = directory / "ring.zarr"
     if not data.exists():
         X, y = make_ring(1500, random_state=0)
-        np.savez(tmp_path / "ring.npz", X=X, y=y)
-        io.convert(tmp_path / "ring.npz", data, dtype="float64", chunk_rows=400)
+        np.savez(directory / "ring.npz", X=X, y=y)
+        io.convert(directory / "ring.npz", data, dtype="float64", chunk_rows=400)
+    return data
+
+
+def _cli_fit(tmp_path, name, *extra, data=None):
+    import zarr
+
+    data = _ring_store(tmp_path) if data is None else data
     out = tmp_path / f"{name}.zarr"
     proc = subprocess.run(
         [sys.executable, "-m", "dkicf.cli", "fit", str(data), "--clusters", "2", "--gamma", "16",
@@ -1426,13 +1431,21 @@ def _cli_fit(tmp_path, name, *extra):
     return group["pivots"][...], group["P"][...], group["labels"][...]
 
 
-def test_cli_fit_on_an_existing_scheduler_matches_the_builtin_cluster(processes, tmp_path):
+@pytest.fixture(scope="module")
+def local_fit(tmp_path_factory):
+    """The reference: the ring fitted on dkicf's own LocalCluster, once for this module."""
+    tmp = tmp_path_factory.mktemp("local-fit")
+    return (_ring_store(tmp), *_cli_fit(tmp, "local", "--workers", "2"))
+
+
+def test_cli_fit_on_an_existing_scheduler_matches_the_builtin_cluster(processes, tmp_path,
+                                                                      local_fit):
+    data, ref_pivots, ref_P, ref_labels = local_fit
     scheduler_file, _ = _start_dask(processes, tmp_path)
     with connect(scheduler_file=scheduler_file, timeout=START_TIMEOUT) as remote:
         _wait_for_workers(remote, 2, processes)
         address = remote.scheduler.address
-    pivots, P, labels = _cli_fit(tmp_path, "remote", "--scheduler", address)
-    ref_pivots, ref_P, ref_labels = _cli_fit(tmp_path, "local", "--workers", "2")
+    pivots, P, labels = _cli_fit(tmp_path, "remote", "--scheduler", address, data=data)
     assert_array_equal(pivots, ref_pivots)
     assert_allclose(P, ref_P, rtol=0, atol=1e-10)
     assert_array_equal(labels, ref_labels)
@@ -1452,12 +1465,14 @@ def test_cli_fit_over_tls_and_refused_without_certificates(tls_cluster, pki, tmp
          "--quiet"],
         capture_output=True, text=True, timeout=120, env=_child_env(),
     )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert address.split("://")[1] in proc.stderr
 
 
 def _cli(tmp_path, *args, **env):
-    """Run ``dkicf fit`` on a store that need not exist (cluster errors come first)."""
+    """Run ``dkicf fit`` on a small store (made here if missing): cluster errors come first."""
+    if not (tmp_path / "data.zarr").exists():
+        _tiny_store(tmp_path / "data.zarr")
     return subprocess.run(
         [sys.executable, "-m", "dkicf.cli", "fit", str(tmp_path / "data.zarr"), "--clusters",
          "2", "--out", str(tmp_path / "out.zarr"), *args],
@@ -1522,6 +1537,7 @@ def test_cli_kubernetes_default_memory_limit_gives_pods_a_size(monkeypatch, crd_
         sys.modules, "dask_kubernetes.operator", types.SimpleNamespace(KubeCluster=FakeKubeCluster)
     )
     image = "registry.example.com/dkicf:0.1.0"
+    _tiny_store(tmp_path / "data.zarr")
     for extra, spec in (([], kubernetes_spec("dkicf", image, workers=2, threads=1)),
                         (["--memory-limit", "3GiB"],
                          kubernetes_spec("dkicf", image, workers=2, threads=1,
@@ -1535,13 +1551,13 @@ def test_cli_kubernetes_default_memory_limit_gives_pods_a_size(monkeypatch, crd_
     assert len(seen) == 2
 
 
-def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path):
+def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path, local_fit):
     """--cluster slurm without TLS flags: mutual TLS, and the fit waits for queued jobs."""
     pytest.importorskip("dask_jobqueue")
     pytest.importorskip("cryptography")
     import zarr
 
-    ref_pivots, ref_P, ref_labels = _cli_fit(tmp_path, "local", "--workers", "2")
+    data, ref_pivots, ref_P, ref_labels = local_fit
     stubs = tmp_path / "bin"
     stubs.mkdir()
     _write_executable(stubs / "sbatch", _SBATCH)
@@ -1551,7 +1567,7 @@ def test_cli_fit_on_slurm_is_tls_by_default_waits_and_matches_local(tmp_path):
     out = tmp_path / "slurm.zarr"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dkicf.cli", "fit", str(tmp_path / "ring.zarr"),
+            [sys.executable, "-m", "dkicf.cli", "fit", str(data),
              "--clusters", "2", "--gamma", "16", "--rank", "30", "--out", str(out),
              "--cluster", "slurm", "--jobs", "2", "--cores", "1", "--memory", "1GiB",
              "--interface", "lo", "--worker-timeout", str(START_TIMEOUT)],
@@ -1582,8 +1598,9 @@ def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
     pytest.importorskip("dask_jobqueue")
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = _cli(tmp_path, "--cluster", "slurm", PATH=str(empty))
-    assert proc.returncode == 2
+    proc = _cli(tmp_path, "--cluster", "slurm", "--cores", "1", "--memory", "1GiB",
+                PATH=str(empty))
+    assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         "dkicf fit: error: sbatch not found: run on a login node of a SLURM cluster (where "
         "sbatch is on PATH), or use --scheduler to connect to a running dask scheduler "
@@ -1599,7 +1616,8 @@ def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
     stubs.mkdir()
     _write_executable(stubs / "sbatch", _SBATCH_QUEUED)
     _write_executable(stubs / "scancel", _SCANCEL_RECORD)
-    proc = _cli(tmp_path, "--cluster", "slurm", "--worker-timeout", "1", "--interface", "lo",
+    proc = _cli(tmp_path, "--cluster", "slurm", "--cores", "1", "--memory", "1GiB",
+                "--worker-timeout", "1", "--interface", "lo",
                 "--shared-dir", str(tmp_path / "shared"),
                 PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]), STUB_DIR=str(tmp_path))
     (job_id,) = (tmp_path / "queued").read_text().split()
@@ -1612,3 +1630,118 @@ def test_cli_cluster_slurm_errors_are_one_line(tmp_path):
     assert f"squeue -j {job_id}" in lines[1] and f"read their output in {tmp_path}" in lines[1]
     assert len(lines) == 2 and "Traceback" not in proc.stderr
     assert (tmp_path / "cancelled").read_text().split() == [job_id]
+
+
+# ------------------------------------------------------------- counting workers
+
+
+class _FewWorkersByDefault:
+    """A client of distributed 2025.4 to 2026.6: ``scheduler_info()`` lists 5 workers
+    unless asked for all with ``n_workers=-1``."""
+
+    def __init__(self, n):
+        self.workers = {f"tcp://127.0.0.1:{4000 + k}": {"memory_limit": 2**30, "nthreads": 1}
+                        for k in range(n)}
+
+    def scheduler_info(self, n_workers=5):
+        shown = list(self.workers.items())
+        if n_workers != -1:
+            shown = shown[:n_workers]
+        return {"workers": dict(shown)}
+
+
+class _Watch:
+    """The part of a batch cluster's watch that waiting for workers uses."""
+
+    expected = 7
+
+    def submitted(self):
+        return True
+
+    def waiting(self):
+        return "7 jobs"
+
+    def none_joined(self):
+        return "none"
+
+    def rest(self):
+        return "the rest later"
+
+
+def test_seven_workers_are_all_counted():
+    """With 7 workers joined, the wait ends at once instead of waiting out the timeout."""
+    from dkicf._cluster import all_workers
+    from dkicf.deploy import _wait_for_workers
+    from dkicf.pipeline import _worker_resources
+
+    client = _FewWorkersByDefault(7)
+    assert len(all_workers(client)) == 7
+    messages = []
+    t0 = time.monotonic()
+    _wait_for_workers(client, _Watch(), timeout=30.0, progress=messages.append)
+    assert time.monotonic() - t0 < 5
+    assert messages[-1].startswith("all 7 workers joined after")
+    assert _worker_resources(client) == (2**30, 7, 1)
+
+
+def test_seven_workers_of_a_real_cluster_are_counted():
+    import dask
+    from distributed import Client, LocalCluster
+
+    from dkicf._cluster import all_workers
+
+    # Workers in this process, talking in memory (no socket), without a dashboard.
+    with dask.config.set({"distributed.scheduler.http.routes": []}), LocalCluster(
+            n_workers=7, threads_per_worker=1, processes=False, dashboard_address=None,
+    ) as cluster, Client(cluster) as client:
+        client.wait_for_workers(7, timeout=START_TIMEOUT)
+        assert len(all_workers(client)) == 7
+
+
+def test_job_options_left_out_come_from_the_sites_jobqueue_yaml():
+    """dask-jobqueue's configuration applies to what the caller leaves out."""
+    pytest.importorskip("dask_jobqueue")
+    import dask
+
+    site = {"jobqueue.slurm.cores": 16, "jobqueue.slurm.memory": "120GiB",
+            "jobqueue.slurm.walltime": "08:00:00", "jobqueue.slurm.processes": 4}
+    with dask.config.set(site):
+        script = jobqueue_script("slurm")
+        given = jobqueue_script("slurm", cores=8, processes=2, memory="32GiB")
+    assert "#SBATCH --cpus-per-task=16" in script and "#SBATCH -t 08:00:00" in script
+    assert "--nworkers 4" in script and "--nthreads 4" in script
+    assert "#SBATCH --cpus-per-task=8" in given and "--nworkers 2" in given
+    with pytest.raises(TypeError, match=r"needs cores=.*or jobqueue.slurm.cores"):
+        jobqueue_script("slurm", memory="8GiB")
+
+
+def test_cli_slurm_flags_left_out_leave_the_site_settings(monkeypatch, tmp_path, capsys):
+    """Without --cores/--memory/--walltime/--processes the CLI passes none of them on."""
+    import dkicf.deploy
+    from dkicf.cli import main
+
+    seen = {}
+
+    def start_cluster(kind, **options):
+        seen.update(options, kind=kind)
+        raise ConnectionError("no batch system here")
+
+    monkeypatch.setattr(dkicf.deploy, "start_cluster", start_cluster)
+    _tiny_store(tmp_path / "data.zarr")
+    code = main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out",
+                 str(tmp_path / "out.zarr"), "--cluster", "slurm", "--quiet"])
+    assert code == 1 and "no batch system here" in capsys.readouterr().err
+    assert seen["kind"] == "slurm" and seen["jobs"] == 1
+    for flag in ("cores", "memory", "walltime", "processes", "queue", "account", "interface"):
+        assert flag not in seen, flag
+    main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out",
+          str(tmp_path / "out.zarr"), "--cluster", "pbs", "--cores", "16", "--memory", "1GiB",
+          "--quiet"])
+    assert seen["cores"] == 16 and seen["memory"] == "1GiB" and "walltime" not in seen
+
+
+def _tiny_store(path):
+    from dkicf import io
+
+    X = np.random.default_rng(0).normal(size=(60, 2))
+    io.write_group(str(path), {"X": X}, {})

@@ -138,7 +138,8 @@ def test_save_and_load_predict_identically(tmp_path, rng):
         ({"rank": 0}, "rank must be >= 1, got 0"),
         ({"gamma": -1.0}, "gamma must be a positive finite number or 'median', got -1.0"),
         ({"gamma": 0.0}, "gamma must be a positive"),
-        ({"kernel": "sigmoid"}, "Unknown kernel 'sigmoid'. Valid kernels are"),
+        ({"kernel": "sigmod"}, "Unknown kernel 'sigmod'. Valid kernels are: additive_chi2, "
+                               "chi2, cosine, gaussian,"),
         ({"algorithm": "elkan"},
          "algorithm must be one of 'minibatch-lloyd', 'minibatch', 'lloyd', got 'elkan'"),
         ({"init": "random"}, re.escape("init must be one of 'k-means++', 'k-means||', "
@@ -227,3 +228,96 @@ def test_median_gamma_on_non_finite_dask_X_names_X_not_gamma(client, rng):
                                          r"for gamma='median'\)") as exc:
         model.fit(da.from_array(X, chunks=250))
     assert "gamma must be" not in str(exc.value)
+
+
+def test_dask_input_without_a_cluster_says_how_to_start_one(monkeypatch, rng):
+    """The hint names what exists: no ``client=`` argument of KernelKMeans."""
+    import dask.array as da
+    import distributed
+
+    def no_client():
+        raise ValueError("No clients found")
+
+    monkeypatch.setattr(distributed, "get_client", no_client)
+    X = da.from_array(rng.normal(size=(40, 2)), chunks=20)
+    with pytest.raises(RuntimeError, match=r"dkicf.local_cluster\(\)") as info:
+        KernelKMeans(n_clusters=2, rank=5, gamma=1.0).fit(X)
+    assert "client=" not in str(info.value)
+    assert "distributed.Client(address)" in str(info.value)
+
+
+def test_set_output_pandas_names_the_features():
+    pd = pytest.importorskip("pandas")
+    X, _ = make_ring(300, random_state=0)
+    model = KernelKMeans(n_clusters=2, gamma=16.0, rank=12, random_state=0).fit(X)
+    names = model.get_feature_names_out()
+    assert list(names) == [f"kernelkmeans{i}" for i in range(model.rank_)]
+    frame = model.set_output(transform="pandas").transform(X)
+    assert isinstance(frame, pd.DataFrame) and list(frame.columns) == list(names)
+    np.testing.assert_allclose(frame.to_numpy(), model.set_output(transform="default")
+                               .transform(X))
+
+
+def test_labels_stay_a_dask_array_after_a_dask_fit(client):
+    X, _ = make_ring(600, random_state=1)
+    ref = KernelKMeans(n_clusters=2, gamma=16.0, rank=20, random_state=0).fit(X)
+    model = KernelKMeans(n_clusters=2, gamma=16.0, rank=20, random_state=0)
+    model.fit(da.from_array(X, chunks=150))
+    assert isinstance(model.labels_, da.Array) and model.labels_.chunks == ((150,) * 4,)
+    np.testing.assert_array_equal(model.labels_.compute(), ref.labels_)
+    clone = pickle.loads(pickle.dumps(model))
+    assert isinstance(clone.labels_, np.ndarray)
+    np.testing.assert_array_equal(clone.labels_, ref.labels_)
+
+
+@pytest.mark.parametrize("metric, params", [("cosine", None), ("chi2", {"gamma": 0.5})])
+def test_kernels_of_sklearn_pairwise_by_name(metric, params):
+    """A name dkicf does not define runs through sklearn.metrics.pairwise: P P^T = K."""
+    from sklearn.metrics.pairwise import pairwise_kernels
+
+    X = np.abs(np.random.default_rng(0).normal(size=(40, 3)))
+    model = KernelKMeans(n_clusters=2, kernel=metric, kernel_params=params, rank=40, tol=0,
+                         random_state=0).fit(X)
+    K = pairwise_kernels(X, metric=metric, **(params or {}))
+    P = model.transform(X)
+    np.testing.assert_allclose(P @ P.T, K, atol=1e-6)
+    assert model.kernel_.get_params() == {"kernel": metric, "kernel_params": params or {}}
+
+
+def test_kernel_params_reach_a_callable_and_save_with_a_pairwise_kernel(tmp_path):
+    from dkicf import load
+
+    def scaled_linear(A, B, scale=1.0):
+        return scale * A @ B.T
+
+    X = np.random.default_rng(2).normal(size=(30, 2))
+    model = KernelKMeans(n_clusters=2, kernel=scaled_linear, kernel_params={"scale": 3.0},
+                         rank=2, tol=0, random_state=0).fit(X)
+    P = model.transform(X)
+    np.testing.assert_allclose(P @ P.T, 3.0 * X @ X.T, atol=1e-9)
+    sig = KernelKMeans(n_clusters=2, kernel="sigmoid", gamma=0.2,
+                       kernel_params={"coef0": 0.5}, rank=5, random_state=0).fit(X)
+    assert sig.kernel_.params == {"gamma": 0.2, "coef0": 0.5}
+    sig.save(tmp_path / "m.zarr")
+    np.testing.assert_array_equal(load(tmp_path / "m.zarr").predict(X), sig.predict(X))
+    with pytest.raises(ValueError, match="takes gamma, degree and coef0"):
+        KernelKMeans(kernel="gaussian", kernel_params={"gamma": 1.0}).fit(X)
+    with pytest.raises(ValueError, match="Unknown kernel 'nope'"):
+        KernelKMeans(kernel="nope").fit(X)
+
+
+def test_verbose_prints_progress(capsys):
+    X, _ = make_ring(300, random_state=0)
+    KernelKMeans(n_clusters=2, gamma=16.0, rank=10, n_init=2, random_state=0).fit(X)
+    assert capsys.readouterr().out == ""
+    KernelKMeans(n_clusters=2, gamma=16.0, rank=10, n_init=2, random_state=0,
+                 verbose=1).fit(X)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("k-means run 1: inertia ")
+    assert lines[-1].startswith("KernelKMeans: rank 10 (max_rank), trace error ")
+    KernelKMeans(n_clusters=2, gamma=16.0, rank=10, n_init=1, random_state=0,
+                 verbose=2).fit(X)
+    out = capsys.readouterr().out
+    assert "factorization: rank 10/10" in out and "k-means run 1/1: step 1," in out
+    with pytest.raises(ValueError, match="verbose must be an integer >= 0"):
+        KernelKMeans(verbose=-1).fit(X)

@@ -65,26 +65,17 @@ def _pickle_store_v2(root: Path, marker: Path) -> Path:
 # chunk size rule
 
 
-def test_choose_row_chunk_rule():
-    assert io.choose_row_chunk(2, 8) == 16 * 2**20 // 16
-    assert io.choose_row_chunk(1000, 4) == 16 * 2**20 // 4000
-    assert io.choose_row_chunk(1000, 4, max_bytes=2 * 2**20) == 2 * 2**20 // 4000
-    # min_bytes wins over a small target, max_bytes wins over both.
-    assert io.choose_row_chunk(10, 8, target_bytes=800, min_bytes=8000) == 100
-    assert io.choose_row_chunk(10, 8, target_bytes=800, min_bytes=8000, max_bytes=160) == 2
-    # A row larger than the target still gives one row per chunk.
-    assert io.choose_row_chunk(10**7, 8) == 1
-    rows = io.choose_row_chunk(37, 4)
-    assert 2**20 <= rows * 37 * 4 <= 16 * 2**20
-    with pytest.raises(ValueError, match="n_features must be >= 1"):
-        io.choose_row_chunk(0, 8)
-    with pytest.raises(TypeError, match="itemsize must be an integer"):
-        io.choose_row_chunk(3, 8.0)
+def test_default_chunks_follow_dasks_chunk_size_setting(tmp_path):
+    """Without chunk_rows, dask's "auto" rule sizes the row chunks, from array.chunk-size."""
+    import dask
 
-
-# --------------------------------------------------------------------------
-# convert: round trips for every format
-
+    np.save(tmp_path / "x.npy", np.zeros((5000, 10), dtype=np.float32))
+    for size, rows in (("8KiB", 8192 // 80), ("40KiB", 40960 // 80), ("128MiB", 5000)):
+        with dask.config.set({"array.chunk-size": size}):
+            info = io.convert(tmp_path / "x.npy", tmp_path / f"{size}.zarr", dtype="float64")
+            generated = io.generate("blobs", tmp_path / f"g{size}.zarr", 5000, n_features=10)
+        assert info["chunk_rows"] == rows, size
+        assert generated["chunk_rows"] == rows, size
 
 def test_convert_npy_round_trip(tmp_path):
     X = np.random.default_rng(0).normal(size=(103, 3))
@@ -305,30 +296,52 @@ def test_text_sources_are_parsed_block_by_block(tmp_path, monkeypatch):
     (tmp_path / "d.svmlight").write_text(
         "\n".join(f"{i % 2} 1:{a} 2:{b}" for i, (a, b) in enumerate(X)) + "\n"
     )
-    sizes = []
-    real = np.loadtxt
+    # Delimited text: pyarrow's record batches, never the whole file at once.
+    import pyarrow.csv as pacsv
 
-    def spy(lines, *args, **kwargs):
-        lines = list(lines)
-        sizes.append(len(lines))
-        return real(lines, *args, **kwargs)
+    big = np.random.default_rng(0).normal(size=(120_000, 2))
+    np.savetxt(tmp_path / "big.csv", big, delimiter=",", fmt="%.17g")
+    batches = []
+    real_open = pacsv.open_csv
 
-    monkeypatch.setattr(np, "loadtxt", spy)
+    def open_spy(*args, **kwargs):
+        for batch in real_open(*args, **kwargs):
+            batches.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pacsv, "open_csv", open_spy)
+    io.convert(tmp_path / "big.csv", tmp_path / "big.zarr", dtype="float64", chunk_rows=5000)
     io.convert(tmp_path / "d.csv", tmp_path / "c.zarr", dtype="float64", chunk_rows=5)
-    assert sizes == [5, 5, 5, 5, 3]
-    blocks = []
-    real_blocks = io._line_blocks
-
-    def block_spy(path, rows, skip=0):
-        for block in real_blocks(path, rows, skip):
-            blocks.append(len(block))
-            yield block
-
-    monkeypatch.setattr(io, "_line_blocks", block_spy)
-    io.convert(tmp_path / "d.svmlight", tmp_path / "s.zarr", dtype="float64", chunk_rows=4)
-    # Two passes over the file, each in blocks of at most 4 lines.
-    assert blocks == [4, 4, 4, 4, 4, 3] * 2
     monkeypatch.undo()
+    assert sum(batches) == 2 * 120_000 + 2 * 23  # two passes over each file
+    assert max(batches) < 120_000 / 2
+    np.testing.assert_array_equal(_read(tmp_path / "big.zarr")[0], big)
+    # svmlight: scikit-learn's reader on byte ranges of about chunk_rows lines.
+    import sklearn.datasets
+    from sklearn.datasets import dump_svmlight_file
+
+    labels = np.arange(120_000) % 3
+    dump_svmlight_file(big, labels, str(tmp_path / "big.svm"))
+    rows = []
+    real_load = sklearn.datasets.load_svmlight_file
+
+    def load_spy(*args, **kwargs):
+        assert "offset" in kwargs and "length" in kwargs
+        X, y = real_load(*args, **kwargs)
+        rows.append(X.shape[0])
+        return X, y
+
+    monkeypatch.setattr(sklearn.datasets, "load_svmlight_file", load_spy)
+    io.convert(tmp_path / "big.svm", tmp_path / "bs.zarr", dtype="float64", chunk_rows=5000)
+    io.convert(tmp_path / "d.svmlight", tmp_path / "s.zarr", dtype="float64", chunk_rows=4)
+    monkeypatch.undo()
+    assert sum(rows) == 2 * 120_000 + 2 * 23  # two passes over each file
+    # The first pass reads 16 MiB at a time (this file: once), the second about 5000 lines.
+    assert rows[0] == 120_000 and len(rows) > 20 and max(rows[1:]) < 5500
+    got, y, _ = _read(tmp_path / "bs.zarr")
+    whole, _ = real_load(str(tmp_path / "big.svm"))  # read at once: the reference
+    np.testing.assert_array_equal(got, whole.toarray())
+    np.testing.assert_array_equal(y, labels)
     np.testing.assert_array_equal(_read(tmp_path / "c.zarr")[0], X)
     np.testing.assert_array_equal(_read(tmp_path / "s.zarr")[0], X)
 
@@ -419,13 +432,13 @@ def test_failed_convert_leaves_no_store(tmp_path):
     rows = [f"{i},{i + 1}" for i in range(40)]
     rows[33] = "1,nan"
     (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
-    with pytest.raises(DkicfIOError, match="row 33 contains NaN"):
+    with pytest.raises(DkicfIOError, match=r"bad.csv, line 34, column 2: NaN or infinity"):
         io.convert(tmp_path / "bad.csv", tmp_path / "d.zarr", chunk_rows=10)
     assert not (tmp_path / "d.zarr").exists()
     assert _leftovers(tmp_path) == []
     rows[33] = "1,x"
     (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
-    with pytest.raises(DkicfIOError, match=r"bad.csv, lines 31-40: could not convert string 'x'"):
+    with pytest.raises(DkicfIOError, match=r"bad.csv, line 34, column 2: 'x' is not a number"):
         io.convert(tmp_path / "bad.csv", tmp_path / "d.zarr", chunk_rows=10)
     assert not (tmp_path / "d.zarr").exists()
     assert _leftovers(tmp_path) == []
@@ -774,3 +787,61 @@ def test_info_on_a_checkpoint_says_how_far_the_fit_got(tmp_path, monkeypatch):
            "max_rank, trace error " in "\n".join(lines)
     assert f"  k-means: finished: 2 run(s), best inertia {km.inertia:.6g}" in lines
     assert not any(line.startswith("  resume:") for line in lines)  # nothing left to do
+
+
+def test_csv_errors_count_lines_and_columns_from_one(tmp_path):
+    """As a spreadsheet shows them: the header is line 1, the first column is column 1."""
+    (tmp_path / "h.csv").write_text("a,b,c,d\n1,2,3,4\n5,6,x,8\n")
+    with pytest.raises(DkicfIOError) as info:
+        io.convert(tmp_path / "h.csv", tmp_path / "h.zarr")
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'h.csv'}, line 3, column 3 (c): 'x' is not a "
+                              "number (lines and columns counted from 1")
+    assert ".." not in message
+    (tmp_path / "s.csv").write_text("1,2,3\n4,5\n")
+    with pytest.raises(DkicfIOError, match=r"s.csv, line 2 has 2 fields, not 3"):
+        io.convert(tmp_path / "s.csv", tmp_path / "s.zarr")
+    assert not (tmp_path / "h.zarr").exists() and not (tmp_path / "s.zarr").exists()
+
+
+def test_convert_keeps_or_drops_columns_by_name_or_index(tmp_path):
+    (tmp_path / "t.csv").write_text("id,a,name,b,class\n7,1.5,x,2,u\n8,3,y,4.5,v\n")
+    info = io.convert(tmp_path / "t.csv", tmp_path / "d.zarr", dtype="float64",
+                      drop_columns=["id", "name"], label_column="class")
+    X, y, _ = _read(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(X, [[1.5, 2], [3, 4.5]])
+    np.testing.assert_array_equal(y, [0, 1])
+    assert info["label_values"] == ["u", "v"]
+    io.convert(tmp_path / "t.csv", tmp_path / "e.zarr", dtype="float64", columns=["3", "a"])
+    np.testing.assert_array_equal(_read(tmp_path / "e.zarr")[0], [[2, 1.5], [4.5, 3]])
+    with pytest.raises(DkicfIOError, match=r"no column named 'nope' \(id, a, name, b, class\)"):
+        io.convert(tmp_path / "t.csv", tmp_path / "f.zarr", drop_columns=["nope"])
+    np.save(tmp_path / "x.npy", np.zeros((3, 2)))
+    with pytest.raises(DkicfIOError, match="apply to .csv and .parquet sources"):
+        io.convert(tmp_path / "x.npy", tmp_path / "g.zarr", columns=[0])
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["p", "q"], "a": [1.0, 2.0], "b": [3, 4]}),
+                   tmp_path / "t.parquet")
+    io.convert(tmp_path / "t.parquet", tmp_path / "p.zarr", dtype="float64",
+               drop_columns=["id"])
+    np.testing.assert_array_equal(_read(tmp_path / "p.zarr")[0], [[1, 3], [2, 4]])
+
+
+def test_convert_a_directory_of_parquet_files(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    parts = tmp_path / "table"
+    parts.mkdir()
+    rng = np.random.default_rng(0)
+    frames = [rng.normal(size=(7, 2)), rng.normal(size=(5, 2))]
+    for i, X in enumerate(frames):
+        pq.write_table(pa.table({"a": X[:, 0], "b": X[:, 1], "y": [i] * len(X)}),
+                       parts / f"part-{i}.parquet")
+    info = io.convert(parts, tmp_path / "d.zarr", dtype="float64", label_column="y")
+    X, y, _ = _read(tmp_path / "d.zarr")
+    assert info["format"] == "parquet" and info["n_samples"] == 12
+    np.testing.assert_array_equal(X, np.vstack(frames))
+    np.testing.assert_array_equal(y, [0] * 7 + [1] * 5)

@@ -84,8 +84,26 @@ def test_median_gamma_is_seeded_and_matches_definition(rng):
 
 
 def test_unknown_kernel_lists_valid_names():
-    with pytest.raises(ValueError, match="Valid kernels are: gaussian, laplacian, linear"):
-        make_kernel("sigmoid", gamma=1.0)
+    with pytest.raises(ValueError, match="Valid kernels are: additive_chi2, chi2, cosine, "
+                                         "gaussian, laplacian, linear, poly, polynomial, rbf, "
+                                         "sigmoid, or a callable"):
+        make_kernel("sigmod", gamma=1.0)
+
+
+def test_pairwise_fallback_blocks_and_diagonal_equal_sklearn():
+    from sklearn.metrics.pairwise import pairwise_kernels
+
+    from dkicf.kernels import PairwiseKernel
+
+    X = np.random.default_rng(3).normal(size=(9, 4))
+    kernel = make_kernel("sigmoid", gamma=0.3, coef0=0.2)
+    assert isinstance(kernel, PairwiseKernel)
+    K = pairwise_kernels(X, metric="sigmoid", gamma=0.3, coef0=0.2)
+    np.testing.assert_allclose(kernel.block(X, X[:4]), K[:, :4], rtol=1e-14)
+    np.testing.assert_allclose(kernel.diag(X), np.diag(K), rtol=1e-14)
+    np.testing.assert_allclose(kernel.column(X, X[2]), K[:, 2], rtol=1e-14)
+    with pytest.raises(ValueError, match="gamma='median' is defined for the gaussian"):
+        make_kernel("chi2", gamma="median")
 
 
 @pytest.mark.parametrize("gamma", [0, -1.0, np.inf, np.nan])

@@ -1,0 +1,57 @@
+"""dkicf's section of dask's configuration: defaults shipped in ``dkicf.yaml``.
+
+The defaults join dask's own (``dask.config.update_defaults``), so a user's
+YAML files and ``DASK_DKICF__...`` environment variables override them as for
+any dask setting.  ``DKICF_...`` variables are read too, as if they were
+spelled ``DASK_DKICF__...``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+_DEFAULTS = Path(__file__).with_name("dkicf.yaml")
+_PREFIX = "DKICF_"
+_loaded = False
+
+
+def _load() -> None:
+    """Add the shipped defaults and the ``DKICF_`` variables to dask's configuration, once."""
+    global _loaded
+    if _loaded:
+        return
+    import dask.config
+    import yaml
+
+    dask.config.update_defaults(yaml.safe_load(_DEFAULTS.read_text()))
+    short = {f"DASK_DKICF__{key[len(_PREFIX):]}": value for key, value in os.environ.items()
+             if key.startswith(_PREFIX)}
+    if short:
+        # Spelled out in full, a DASK_DKICF__ variable of the same name wins.
+        found = dask.config.collect_env(short)
+        full = dask.config.collect_env(
+            {k: v for k, v in os.environ.items() if k.startswith("DASK_DKICF__")})
+        dask.config.update(dask.config.config, found, priority="new")
+        dask.config.update(dask.config.config, full, priority="new")
+    _loaded = True
+
+
+def get(key: str, default: Any = None) -> Any:
+    """The setting ``dkicf.<key>``, e.g. ``get("cluster.workers")``.
+
+    Examples
+    --------
+    >>> import dask
+    >>> from dkicf._config import get
+    >>> get("fit.rank")
+    100
+    >>> with dask.config.set({"dkicf.fit.rank": 40}):
+    ...     get("fit.rank")
+    40
+    """
+    import dask.config
+
+    _load()
+    return dask.config.get(f"dkicf.{key}", default)
