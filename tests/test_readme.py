@@ -74,6 +74,10 @@ def test_readme_command_line_example(tmp_path):
         "cluster_sizes.png", "clusters.png", "trace_error.png"]
 
 
-def test_readme_set_up_puts_dkicf_on_path():
-    (setup,) = [b for b in _blocks("bash") if "pip install -e" in b and "activate" in b]
-    assert "source .venv/bin/activate" in setup
+def test_readme_opens_with_the_demo_and_the_test_command_that_ci_runs():
+    first, second = _blocks("bash")[:2]
+    # The demo is called by its path: it needs no activated environment.
+    assert first.strip().endswith(".venv/bin/dkicf demo"), first
+    ci = (Path(__file__).parents[1] / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert second.strip() == ci
+    assert "source .venv/bin/activate" in README.read_text()
