@@ -207,6 +207,21 @@ def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(onehot.T @ x)
 
 
+def _row_blocks(p, offset: int, width: int, check: bool):
+    """``(lo, hi, rows)`` of a chunk in blocks of about ``_BLOCK_ELEMENTS / width`` rows.
+
+    The rows are widened to float64 block by block; ``check``: raise on NaN
+    or infinity (P that was not validated yet).
+    """
+    step = max(256, _BLOCK_ELEMENTS // max(1, width))
+    for lo in range(0, p.shape[0], step):
+        hi = min(lo + step, p.shape[0])
+        x = np.asarray(p[lo:hi], dtype=np.float64)
+        if check:
+            _check_finite(x, offset + lo)
+        yield lo, hi, x
+
+
 def _scan(p, offset: int, centers: np.ndarray, with_sums: bool, check: bool = True):
     """Labels, squared distances and (optionally) per-centre sums of one row chunk.
 
@@ -220,12 +235,7 @@ def _scan(p, offset: int, centers: np.ndarray, with_sums: bool, check: bool = Tr
     labels = np.empty(n, dtype=np.int64)
     d2 = np.empty(n)
     sums = np.zeros((k, s)) if with_sums else None
-    step = max(256, _BLOCK_ELEMENTS // k)
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        x = np.asarray(p[lo:hi], dtype=np.float64)
-        if check:
-            _check_finite(x, offset + lo)
+    for lo, hi, x in _row_blocks(p, offset, k, check):
         labels[lo:hi], d2[lo:hi] = _nearest(x, centers, c_sq)
         if with_sums:
             sums += _cluster_sums(x, labels[lo:hi], k)
@@ -284,26 +294,13 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
         states = [(np.full(n, np.inf), np.zeros(n, dtype=np.int64)) for _ in cands]
     new = [(d2.copy(), label.copy()) for d2, label in states]
     c_sq = [np.einsum("ij,ij->i", c, c) for c in cands]
-    width = max(1, sum(c.shape[0] for c in cands))
-    step = max(256, _BLOCK_ELEMENTS // width)
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        x = np.asarray(p[lo:hi], dtype=np.float64)
-        if check:
-            _check_finite(x, offset + lo)
-        x_sq = np.einsum("ij,ij->i", x, x)
-        rows = np.arange(hi - lo)
+    for lo, hi, x in _row_blocks(p, offset, sum(c.shape[0] for c in cands), check):
         # One product per run, not one over all runs' candidates: a run's
         # distances then do not depend on which runs share the pass.
         for r, (d2, label) in enumerate(new):
             if cands[r].shape[0] == 0:
                 continue
-            d = x @ cands[r].T
-            d *= -2.0
-            d += c_sq[r]
-            d += x_sq[:, None]
-            near = np.argmin(d, axis=1)
-            dist = np.maximum(d[rows, near], 0.0)
+            near, dist = _nearest(x, cands[r], c_sq[r])
             better = dist < d2[lo:hi]
             d2[lo:hi][better] = dist[better]
             label[lo:hi][better] = near[better] + firsts[r]
