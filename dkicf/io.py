@@ -15,7 +15,11 @@ Reading
     :func:`open_array`, :func:`as_dask` and :func:`open_dataset` read the
     store's metadata first and refuse it (:class:`DkicfIOError`) before any
     chunk is read when it declares a pickle or object codec, or a dtype that is
-    not a real number.  Chunks are never unpickled.
+    not a real number.  Chunks are never unpickled.  The shape in the metadata
+    is checked before anything sized by it is built: a data array must have
+    every chunk its shape needs in the store (counted where listing is cheap,
+    the last one looked for elsewhere), and no array may need a task graph or
+    a read larger than the memory available.
 
 Dataset layout
     A dataset store is a Zarr group holding ``X`` of shape
@@ -230,13 +234,17 @@ class _CheckedReads:
                 "(s3://, gs://, ...)."
             )
         if self.every_chunk:
-            raise MissingChunkError(
-                f"chunk {key!r} of the Zarr array {where} is missing from the store; dkicf "
-                "does not read a missing chunk of the data as zeros (the fill value). The "
-                "store is incomplete (chunk files deleted or not copied yet): restore it, "
-                "or, if it leaves out chunks equal to the fill value on purpose, rewrite it "
-                "with every chunk written (zarr config array.write_empty_chunks=True)."
-            )
+            raise MissingChunkError(_missing_chunk_message(key, where))
+
+
+def _missing_chunk_message(key: str, where: str, detail: str = "") -> str:
+    return (
+        f"chunk {key!r} of the Zarr array {where} is missing from the store{detail}; dkicf "
+        "does not read a missing chunk of the data as zeros (the fill value). The "
+        "store is incomplete (chunk files deleted or not copied yet): restore it, "
+        "or, if it leaves out chunks equal to the fill value on purpose, rewrite it "
+        "with every chunk written (zarr config array.write_empty_chunks=True)."
+    )
 
 
 class _CheckedLocalStore(_CheckedReads, LocalStore):
@@ -513,6 +521,122 @@ def check_store_safe(arr: zarr.Array, *, name: str | None = None) -> None:
         raise DkicfIOError(f"refusing {where}: {exc}") from exc
 
 
+# What a task graph costs the driver per chunk of an array, at least: measured
+# for da.from_zarr(...).sum() (about 2.8 KB a chunk); a fit's graphs cost more.
+_GRAPH_BYTES_PER_CHUNK = 2048
+# Protocols whose stores are listed whole to count their chunks (a listing
+# costs no more than the metadata read); others are checked at their last chunk.
+_LISTED_PROTOCOLS = frozenset({"file", "local", "memory"})
+
+
+def _stored_keys(arr: zarr.Array) -> Iterator[str] | None:
+    """The keys of the array's stored objects, or None where listing is not cheap."""
+    from zarr.core.sync import sync
+    from zarr.storage import MemoryStore
+
+    store = arr.store_path.store
+    listed = isinstance(store, (LocalStore, MemoryStore))
+    if isinstance(store, FsspecStore):
+        protocol = store.fs.protocol
+        protocols = protocol if isinstance(protocol, (tuple, list)) else (protocol,)
+        listed = bool(_LISTED_PROTOCOLS.intersection(protocols))
+    if not listed:
+        return None
+    prefix = arr.store_path.path
+    prefix = f"{prefix}/" if prefix else ""
+
+    async def keys() -> list[str]:
+        return [key async for key in store.list_prefix(prefix)]
+
+    return (key[len(prefix):] for key in sync(keys()))
+
+
+def _grid(counts: list[int]) -> Iterator[tuple[int, ...]]:
+    """Chunk coordinates in C order, made one at a time (itertools.product holds its ranges)."""
+    coords = [0] * len(counts)
+    while True:
+        yield tuple(coords)
+        axis = len(counts) - 1
+        while axis >= 0:
+            coords[axis] += 1
+            if coords[axis] < counts[axis]:
+                break
+            coords[axis] = 0
+            axis -= 1
+        if axis < 0:
+            return
+
+
+def _check_present(arr: zarr.Array, url: str, counts: list[int], n_objects: int,
+                   claimed: str) -> None:
+    """Refuse an array whose store holds fewer objects than its shape needs."""
+    from zarr.core.sync import sync
+
+    keys = _stored_keys(arr)
+    if keys is None:
+        last = arr.metadata.encode_chunk_key(tuple(c - 1 for c in counts))
+        path = arr.store_path.path
+        if sync(arr.store_path.store.exists(f"{path}/{last}" if path else last)):
+            return
+        raise MissingChunkError(_missing_chunk_message(
+            last, url, f" ({claimed}; it is the last of them)"))
+    present = {key for key in keys if key.rsplit("/", 1)[-1] not in _META_KEYS}
+    if len(present) >= n_objects:
+        return
+    # The first chunk that is missing, in grid order: found within len(present) + 1 steps.
+    first = next(key for key in map(arr.metadata.encode_chunk_key, _grid(counts))
+                 if key not in present)
+    raise MissingChunkError(_missing_chunk_message(
+        first, url, f" ({claimed}, but the store holds {len(present):,} chunk(s): the metadata "
+                    "does not match the data)"))
+
+
+def _check_extent(arr: zarr.Array, url: str, *, every_chunk: bool) -> None:
+    """Refuse metadata that claims more than the store holds or this machine can plan for.
+
+    Nothing sized by the metadata (a dask graph, a chunk list) may be built
+    before this: a shape of 10**13 rows would exhaust memory building it.
+    The number of stored objects (chunks, or shards) that the shape needs is
+    checked against the memory a task graph over them takes at least, and,
+    with ``every_chunk`` (an array every chunk of which must be there),
+    against the objects in the store: all of them where listing is cheap
+    (local and in-memory stores), the last one elsewhere.
+    """
+    import psutil
+
+    grid = getattr(arr, "shards", None) or arr.chunks
+    counts = [-(-s // c) if c else 0 for s, c in zip(arr.shape, grid)]
+    n_objects = math.prod(counts)
+    claimed = (f"its metadata claims shape {tuple(arr.shape)} in {n_objects:,} chunk(s) of "
+               f"{tuple(grid)}")
+    if every_chunk and n_objects:
+        _check_present(arr, url, counts, n_objects, claimed)
+    available = psutil.virtual_memory().available
+    if n_objects * _GRAPH_BYTES_PER_CHUNK > available:
+        raise DkicfIOError(
+            f"refusing {url}: {claimed}; a task graph over that many chunks needs at least "
+            f"{n_objects * _GRAPH_BYTES_PER_CHUNK / 2**30:.3g} GiB, more than the "
+            f"{available / 2**30:.3g} GiB this machine has available. If the shape is right, "
+            "rewrite the array with larger chunks; if not, the metadata (zarr.json or "
+            ".zarray) is damaged: restore the store or convert the data again."
+        )
+
+
+def _check_allocation(arr: zarr.Array, url: str) -> None:
+    """Refuse reading a whole array that its metadata says is larger than available memory."""
+    import psutil
+
+    nbytes = math.prod(arr.shape) * np.dtype(arr.dtype).itemsize
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise DkicfIOError(
+            f"refusing {url}: its metadata claims shape {tuple(arr.shape)} of {arr.dtype}, "
+            f"{nbytes / 2**30:.3g} GiB to read whole, more than the {available / 2**30:.3g} "
+            "GiB this machine has available. The group's arrays are small in a model or "
+            "checkpoint: the metadata is damaged; restore the group or fit again."
+        )
+
+
 def _open_checked(
     url_or_array, storage_options: dict | None, *, ndim: int | None, every_chunk: bool = False
 ) -> tuple[zarr.Array, str]:
@@ -547,6 +671,7 @@ def _open_checked(
         raise DkicfIOError(
             f"{url} is empty: shape {arr.shape}; it needs at least one row and column."
         )
+    _check_extent(arr, url, every_chunk=every_chunk)
     return arr, url
 
 
@@ -573,7 +698,9 @@ def open_array(url, *, storage_options: dict | None = None) -> zarr.Array:
     DkicfIOError
         No store at ``url``; a group instead of an array (the message lists its
         arrays); pickle/object codecs or a non-numeric dtype (refused before any
-        chunk is read); not 2-D; empty.
+        chunk is read); not 2-D; empty; a shape whose chunks are not all in the
+        store (:class:`MissingChunkError`) or whose task graph would not fit in
+        memory.
 
     Examples
     --------
@@ -1025,6 +1152,8 @@ def read_group(
         _check_meta(_join(url, name), member.meta, member.zarr_format)
         arr = group[name]
         check_store_safe(arr, name=_join(url, name))
+        _check_extent(arr, _join(url, name), every_chunk=False)
+        _check_allocation(arr, _join(url, name))
         arrays[name] = np.asarray(arr[...])
     return arrays, dict(group.attrs)
 

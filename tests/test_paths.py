@@ -87,13 +87,18 @@ def _store(tmp_path, name="d.zarr"):
 
 def test_a_deleted_chunk_of_x_is_an_error_naming_it(tmp_path):
     store = _store(tmp_path)
-    (store / "X" / "c" / "2" / "0").unlink()
     X, _, _ = io.open_dataset(store)
+    expected = io.open_dataset(store)[0][:200].compute()
+    (store / "X" / "c" / "2" / "0").unlink()
+    # Gone after opening: the read that needs it fails.
     with pytest.raises(MissingChunkError, match=r"chunk 'c/2/0' of the Zarr array .*d\.zarr/X"):
         X.compute()
-    np.testing.assert_array_equal(X[:200].compute(), io.open_dataset(store)[0][:200].compute())
-    with pytest.raises(MissingChunkError, match="write_empty_chunks"):
-        io.as_dask(store / "X").sum().compute()
+    np.testing.assert_array_equal(X[:200].compute(), expected)
+    # Gone before opening: refused at once.
+    for call in (io.open_dataset, lambda s: io.as_dask(s / "X")):
+        with pytest.raises(MissingChunkError, match=r"chunk 'c/2/0' of the Zarr array "
+                                                    r".*d\.zarr/X is missing.*write_empty_chunks"):
+            call(store)
 
 
 def test_a_store_gone_for_the_reader_is_an_error_for_x_and_y(tmp_path):
