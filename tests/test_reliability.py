@@ -156,3 +156,28 @@ def test_complete_stores_pass_the_extent_checks(tmp_path):
     with pytest.raises(io.MissingChunkError, match=r"chunk '4.0' .* in 5 chunk\(s\) of \(7, 2\), "
                                                    r"but the store holds 4 chunk\(s\)"):
         io.open_array(tmp_path / "v2.zarr")
+
+
+# --------------------------------------------------------------------------
+# an output never replaces an input, the checkpoint included
+
+
+@pytest.mark.parametrize("out_of", [lambda ck: ck, lambda ck: ck / "model.zarr",
+                                    lambda ck: ck.parent])
+def test_an_output_over_its_checkpoint_is_refused_even_with_overwrite(tmp_path, out_of):
+    from dkicf import cli, pipeline
+
+    io.generate("ring", tmp_path / "data.zarr", 40)
+    ck = tmp_path / "run" / "ck.zarr"
+    io.write_group(ck, {"P": np.ones((4, 2))}, {"dkicf": {"kind": "icf-checkpoint"}})
+    before = {name: _tree(tmp_path / name) for name in ("data.zarr", "run")}
+    out = out_of(ck)
+    with pytest.raises(DkicfIOError, match=rf"the output {out} (is|is inside|contains) the "
+                                           rf"checkpoint {ck}; writing it would replace data"):
+        pipeline.fit_store(str(tmp_path / "data.zarr"), str(out), {"n_clusters": 2},
+                           client=None, overwrite=True, checkpoint=str(ck), resume=True)
+    code = cli.main(["fit", str(tmp_path / "data.zarr"), "--clusters", "2", "--out", str(out),
+                     "--checkpoint", str(ck), "--overwrite", "--quiet"])
+    assert code == 2
+    for name, tree in before.items():
+        assert _tree(tmp_path / name) == tree
