@@ -426,6 +426,11 @@ def fit_store(
     bytes: the training points' features, what ``transform`` gives for
     them) is left out with ``save_p=False``; predicting needs only the model.
 
+    The fit claims ``out`` and ``checkpoint`` first (:func:`dkicf.io.claimed`):
+    a second fit on either is refused (:class:`dkicf.io.ClaimedError`) while
+    this one runs; the claim of a fit that was killed is taken over with
+    ``resume=True`` or ``overwrite=True``.
+
     Relative local paths (``store``, ``out``, ``checkpoint``) are taken in this
     process's working directory and made absolute before anything is sent to
     the workers, which may run elsewhere (:func:`dkicf.io.absolute_location`).
@@ -438,15 +443,33 @@ def fit_store(
         Figures of the run (timings, rank, inertia, accuracy when the dataset
         has labels); ``out`` is the absolute location written.
     """
-    from . import _backends, io
-    from .estimator import KernelKMeans, _model_arrays_attrs
-    from .icf import incomplete_cholesky
-    from .kmeans import kmeans
+    from . import io
 
     t_start = time.perf_counter()
     store, out = io.absolute_location(store), io.absolute_location(out)
     checkpoint = io.absolute_location(checkpoint)
     io.check_not_input(out, {"the dataset": store, "the checkpoint": checkpoint})
+    # One run at a time writes the output and the checkpoint; the claim of a
+    # run that was killed is taken over by one that resumes or overwrites.
+    with io.claimed({"the output": out, "the checkpoint": checkpoint},
+                    take_over=resume or overwrite):
+        return _fit_claimed(
+            store, out, params, t_start, client=client, overwrite=overwrite,
+            p_storage=p_storage, persist=persist, storage_options=storage_options,
+            progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+            resume=resume, save_p=save_p,
+        )
+
+
+def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, persist,
+                 storage_options, progress, checkpoint, checkpoint_every, resume,
+                 save_p) -> dict:
+    """:func:`fit_store` once its locations are absolute, checked and claimed."""
+    from . import _backends, io
+    from .estimator import KernelKMeans, _model_arrays_attrs
+    from .icf import incomplete_cholesky
+    from .kmeans import kmeans
+
     X, y, info = io.open_dataset(store, storage_options=storage_options)
     model = KernelKMeans(**params)
     model._check_params(X.shape[0])
@@ -568,10 +591,19 @@ def predict_store(
     :func:`fit_store`.
     """
     from . import io
-    from .estimator import load
 
     model_path, store, out = (io.absolute_location(p) for p in (model_path, store, out))
     io.check_not_input(out, {"the model": model_path, "the dataset": store})
+    with io.claimed({"the output": out}, take_over=overwrite):
+        return _predict_claimed(model_path, store, out, client=client, overwrite=overwrite,
+                                storage_options=storage_options)
+
+
+def _predict_claimed(model_path, store, out, *, client, overwrite, storage_options) -> dict:
+    """:func:`predict_store` once its locations are absolute, checked and claimed."""
+    from . import io
+    from .estimator import load
+
     model = load(model_path, storage_options=storage_options)
     X, y, _ = io.open_dataset(store, storage_options=storage_options)
     if X.shape[1] != model.n_features_in_:

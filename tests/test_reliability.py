@@ -181,3 +181,198 @@ def test_an_output_over_its_checkpoint_is_refused_even_with_overwrite(tmp_path, 
     assert code == 2
     for name, tree in before.items():
         assert _tree(tmp_path / name) == tree
+
+
+# --------------------------------------------------------------------------
+# concurrent use: one run at a time writes a location
+
+
+def _child(code: str, cwd: Path, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_of_runs_racing_for_a_location_exactly_one_claims_it(tmp_path):
+    import time
+
+    n = 3
+    racers = [_child(f"""
+        import os, time
+        from dkicf import io
+        open("ready-{i}", "w").close()
+        while not os.path.exists("go"):
+            time.sleep(0.005)
+        try:
+            with io.claimed({{"the output": "model.zarr"}}):
+                print("WON", flush=True)
+                while not os.path.exists("done"):
+                    time.sleep(0.01)
+        except io.ClaimedError as exc:
+            print("REFUSED", exc, flush=True)
+    """, tmp_path) for i in range(n)]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready-*"))) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    # The winner holds its claim until every other racer has been answered.
+    while sum(p.poll() is not None for p in racers) < n - 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (tmp_path / "done").touch()
+    outs = [p.communicate(timeout=60)[0] for p in racers]
+    assert sum(out.startswith("WON") for out in outs) == 1, outs
+    for out in outs:
+        if out.startswith("REFUSED"):
+            assert f"the output {tmp_path / 'model.zarr'} is being written by another dkicf " \
+                   "run (pid" in out
+            assert "Wait for that run to end, or choose another location." in out
+    assert not (tmp_path / ".model.zarr.dkicf-claim").exists()
+
+
+def test_the_claim_of_a_killed_run_is_stale_and_taken_over_only_when_asked(tmp_path):
+    proc = _child("""
+        import os, signal
+        from dkicf import io
+        with io.claimed({"the checkpoint": "ck.zarr"}):
+            os.kill(os.getpid(), signal.SIGKILL)
+    """, tmp_path)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -9
+    claim = tmp_path / ".ck.zarr.dkicf-claim"
+    assert json.loads(claim.read_text())["pid"] == proc.pid
+    with pytest.raises(io.ClaimedError, match=rf"the checkpoint {tmp_path / 'ck.zarr'} was "
+                       rf"claimed by a dkicf run that is no longer running \(pid {proc.pid} on "
+                       r".*Pass resume=True \(dkicf fit: --resume\)") as err:
+        with io.claimed({"the checkpoint": tmp_path / "ck.zarr"}):
+            pass
+    assert err.value.stale
+    assert json.loads(claim.read_text())["pid"] == proc.pid
+    with io.claimed({"the checkpoint": tmp_path / "ck.zarr"}, take_over=True):
+        assert json.loads(claim.read_text())["pid"] == os.getpid()
+    assert not claim.exists()
+
+
+def test_a_reused_pid_is_stale_and_another_hosts_claim_is_never_taken(tmp_path):
+    import socket
+
+    claim = tmp_path / ".out.zarr.dkicf-claim"
+    # This process's pid, but a start time that is not this process's: the pid was reused.
+    claim.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": 1.0, "since": 1.0}))
+    with pytest.raises(io.ClaimedError, match="no longer running"):
+        with io.claimed({"the output": tmp_path / "out.zarr"}):
+            pass
+    with io.claimed({"the output": tmp_path / "out.zarr"}, take_over=True):
+        pass
+    claim.write_text(json.dumps({"pid": 1, "host": "elsewhere.example", "started": 1.0,
+                                 "since": 1.0}))
+    with pytest.raises(io.ClaimedError, match=rf"on another host \(pid 1 on elsewhere.example"
+                                              rf".*If it has ended, remove {claim}"):
+        with io.claimed({"the output": tmp_path / "out.zarr"}, take_over=True):
+            pass
+    claim.write_text("{not json")
+    os.utime(claim, (1.0, 1.0))  # old enough not to be a claim being written
+    with pytest.raises(io.ClaimedError, match="claim file that is not readable"):
+        with io.claimed({"the output": tmp_path / "out.zarr"}):
+            pass
+    with io.claimed({"the output": tmp_path / "out.zarr"}, take_over=True):
+        pass
+    assert not claim.exists()
+
+
+_PARAMS = {"n_clusters": 3, "gamma": 0.5, "rank": 12, "n_init": 1, "random_state": 0,
+           "pivoting": "greedy", "max_iter": 30}
+
+
+def _fit_child(address: str, cwd: Path, *, out: str, checkpoint: str, hold: bool = False,
+               kill_at: int | None = None) -> subprocess.Popen:
+    """A fit in another process on the test cluster.
+
+    With ``hold``, it waits at its first progress report until the file
+    ``release`` exists; with ``kill_at``, it SIGKILLs itself at that rank.
+    """
+    return _child(f"""
+        import os, signal, time
+        from distributed import Client
+        from dkicf import pipeline
+
+        def progress(p):
+            rank = getattr(p, "rank", None)
+            if rank is not None and {kill_at!r} is not None and rank >= {kill_at!r}:
+                os.kill(os.getpid(), signal.SIGKILL)
+            while {hold!r} and not os.path.exists("release"):
+                time.sleep(0.05)
+
+        with Client({address!r}) as client:
+            pipeline.fit_store("data.zarr", {out!r}, {_PARAMS!r}, client=client,
+                               checkpoint={checkpoint!r}, checkpoint_every=2, progress=progress)
+        print("DONE", flush=True)
+    """, cwd)
+
+
+def _model(path: Path) -> dict[str, np.ndarray]:
+    arrays, _ = io.read_group(path)
+    return arrays
+
+
+def test_a_second_fit_on_the_same_output_or_checkpoint_is_refused(client, tmp_path):
+    import time
+
+    from dkicf import cli, pipeline
+
+    io.generate("blobs", tmp_path / "data.zarr", 1200, chunk_rows=300, centers=3)
+    address = client.scheduler.address
+    first = _fit_child(address, tmp_path, out="a.zarr", checkpoint="ck.zarr", hold=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / ".ck.zarr.dkicf-claim").exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    for out, ck, what in [("a.zarr", None, "the output"), ("b.zarr", "ck.zarr", "the checkpoint")]:
+        with pytest.raises(io.ClaimedError, match=rf"{what} {tmp_path / (ck or out)} is being "
+                                                  rf"written by another dkicf run \(pid "
+                                                  rf"{first.pid} "):
+            pipeline.fit_store(str(tmp_path / "data.zarr"), str(tmp_path / out), _PARAMS,
+                               client=client, overwrite=True, resume=ck is not None,
+                               checkpoint=None if ck is None else str(tmp_path / ck))
+    args = ["fit", str(tmp_path / "data.zarr"), "--clusters", "3", "--out",
+            str(tmp_path / "c.zarr"), "--checkpoint", str(tmp_path / "ck.zarr"), "--resume",
+            "--scheduler", address, "--quiet"]
+    assert cli.main(args) == 2
+    assert not (tmp_path / "b.zarr").exists() and not (tmp_path / "c.zarr").exists()
+    (tmp_path / "release").touch()
+    out, err = first.communicate(timeout=300)
+    assert "DONE" in out, err[-3000:]
+    assert not (tmp_path / ".ck.zarr.dkicf-claim").exists()
+    assert not (tmp_path / ".a.zarr.dkicf-claim").exists()
+    # The fit that ran was not disturbed: it equals one run alone.
+    pipeline.fit_store(str(tmp_path / "data.zarr"), str(tmp_path / "alone.zarr"), _PARAMS,
+                       client=client)
+    for name, value in _model(tmp_path / "alone.zarr").items():
+        np.testing.assert_array_equal(_model(tmp_path / "a.zarr")[name], value, err_msg=name)
+
+
+def test_a_killed_fit_is_resumed_by_taking_over_its_claims(client, tmp_path):
+    from dkicf import pipeline
+
+    io.generate("blobs", tmp_path / "data.zarr", 1200, chunk_rows=300, centers=3)
+    killed = _fit_child(client.scheduler.address, tmp_path, out="m.zarr", checkpoint="ck.zarr",
+                        kill_at=6)
+    killed.communicate(timeout=300)
+    assert killed.returncode == -9
+    assert not (tmp_path / "m.zarr").exists()
+    data, out, ck = (str(tmp_path / name) for name in ("data.zarr", "m.zarr", "ck.zarr"))
+    with pytest.raises(io.ClaimedError, match=rf"no longer running \(pid {killed.pid} "):
+        pipeline.fit_store(data, out, _PARAMS, client=client, checkpoint=ck)
+    report = pipeline.fit_store(data, out, _PARAMS, client=client, checkpoint=ck, resume=True)
+    assert report["resumed_from_rank"] >= 2
+    pipeline.fit_store(data, str(tmp_path / "alone.zarr"), _PARAMS, client=client)
+    alone = _model(tmp_path / "alone.zarr")
+    resumed = _model(tmp_path / "m.zarr")
+    for name in ("pivots", "cluster_centers", "cholesky_factor", "trace_errors"):
+        np.testing.assert_array_equal(resumed[name], alone[name], err_msg=name)
+    labels = io.open_member(out, "labels").compute()
+    np.testing.assert_array_equal(labels, io.open_member(tmp_path / "alone.zarr",
+                                                         "labels").compute())
+    assert not list(tmp_path.glob(".*.dkicf-claim"))
