@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from _tied import tied_popen
 
 from dkicf.synthetic import make_ring
 
@@ -371,7 +372,7 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     import time
 
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(
+    proc = tied_popen(
         [sys.executable, "-m", "dkicf.cli", "--quiet", "generate", "blobs", "big.zarr",
          "--n", "40000000", "--features", "8", "--chunk-rows", "100000"],
         cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env,
@@ -395,11 +396,11 @@ def test_ctrl_c_mid_fit_is_one_line(ring_store, tmp_path):
     import time
 
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(
+    proc = tied_popen(
         [sys.executable, "-m", "dkicf.cli", "fit", str(ring_store / "ring.zarr"), "--clusters",
          "2", "--gamma", "16", "--rank", "2000", "--tol", "0", "--pivoting", "greedy",
          "--out", str(tmp_path / "m.zarr"), *CLUSTER],
-        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env,
     )
     # The staged output appears once the cluster is up and the factorization starts.
     deadline = time.monotonic() + 120

@@ -30,6 +30,7 @@ from pathlib import Path
 import dask.array as da
 import numpy as np
 import pytest
+from _tied import tied_popen
 from numpy.testing import assert_allclose, assert_array_equal
 
 from dkicf import incomplete_cholesky
@@ -69,9 +70,10 @@ class _Processes:
     def start(self, name: str, args: list[str], **env: str) -> subprocess.Popen:
         log = self.directory / f"{name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(
+            # Its own session, ended with the test run even when that is killed.
+            proc = tied_popen(
                 args, stdout=out, stderr=subprocess.STDOUT, env=_child_env(**env),
-                cwd=self.directory, start_new_session=True,
+                cwd=self.directory,
             )
         self.procs.append((proc, log))
         return proc
@@ -1015,9 +1017,9 @@ def test_manual_batch_script_runs_and_cleans_up(tmp_path, script, n_workers):
         PBS_JOBID="4242.pbs", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path),
         NTHREADS="1", NODE_MEM_MIB="2048", WORKERS_PER_NODE="2",
     )
-    proc = subprocess.Popen(
+    proc = tied_popen(
         ["bash", str(DEPLOY / "hpc" / script)], env=env, cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
         out, _ = proc.communicate(timeout=150)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from _tied import tied_popen
 
 from dkicf import io
 from dkicf.io import DkicfIOError
@@ -189,8 +190,8 @@ def test_an_output_over_its_checkpoint_is_refused_even_with_overwrite(tmp_path, 
 
 def _child(code: str, cwd: Path, **kw) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return tied_popen([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def test_of_runs_racing_for_a_location_exactly_one_claims_it(tmp_path):
@@ -376,3 +377,49 @@ def test_a_killed_fit_is_resumed_by_taking_over_its_claims(client, tmp_path):
     np.testing.assert_array_equal(labels, io.open_member(tmp_path / "alone.zarr",
                                                          "labels").compute())
     assert not list(tmp_path.glob(".*.dkicf-claim"))
+
+
+# --------------------------------------------------------------------------
+# test hygiene: processes started by tests end with the test run, even a killed one
+
+
+def test_dask_processes_of_a_killed_test_run_end_with_it(tmp_path):
+    """A stand-in for a test run starts a scheduler and a worker, then is SIGKILLed."""
+    import signal
+    import time
+
+    import psutil
+
+    runner = _child(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from _tied import tied_popen
+        dask = lambda role: [sys.executable, "-m", f"distributed.cli.dask_{{role}}"]
+        s = tied_popen(dask("scheduler") + ["--host", "127.0.0.1", "--port", "0",
+                                            "--no-dashboard", "--scheduler-file", "s.json"])
+        while True:
+            try:
+                open("s.json").close()
+                break
+            except FileNotFoundError:
+                time.sleep(0.05)
+        w = tied_popen(dask("worker") + ["--scheduler-file", "s.json", "--nworkers", "1",
+                                         "--nthreads", "1", "--no-dashboard",
+                                         "--host", "127.0.0.1"])
+        print(s.pid, w.pid, flush=True)
+        time.sleep(600)
+    """, tmp_path)
+    pids = [int(p) for p in runner.stdout.readline().split()]
+    assert len(pids) == 2, runner.stderr.read() if runner.poll() is not None else ""
+    # Wait for the worker's own process (the nanny's child): the whole tree is up.
+    deadline = time.monotonic() + 120
+    while not psutil.Process(pids[1]).children():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    tree = [psutil.Process(pid) for pid in pids]
+    tree += [child for proc in tree for child in proc.children(recursive=True)]
+    assert len(tree) >= 3
+    runner.send_signal(signal.SIGKILL)
+    runner.wait(timeout=30)
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
