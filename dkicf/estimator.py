@@ -606,6 +606,7 @@ def load(path, *, storage_options=None) -> KernelKMeans:
 
     path = io.absolute_location(path)
     arrays, attrs = io.read_group(path, storage_options=storage_options, names=_MODEL_ARRAYS)
+    _check_saved_model(path, arrays, attrs)
     if attrs.get("format") != _MODEL_FORMAT:
         raise ValueError(
             f"{path} is not a dkicf model (its attributes have no format={_MODEL_FORMAT!r}); "
@@ -637,3 +638,94 @@ def load(path, *, storage_options=None) -> KernelKMeans:
     model.n_passes_ = int(attrs["n_passes"])
     model._pivot_aux = model.kernel_.prepare(model.pivot_rows_)
     return model
+
+
+def _check_saved_model(path: str, arrays: dict, attrs: dict) -> None:
+    """Refuse a model group whose arrays or attributes a fit cannot have written.
+
+    Models are input too: a damaged or tampered group must fail here, naming
+    what is wrong, not deep inside a prediction (or, worse, predict labels).
+    """
+    from .io import DkicfIOError
+
+    def refuse(what: str):
+        raise DkicfIOError(
+            f"{path} is not a valid dkicf model: {what}. The model group is damaged or was "
+            "changed: restore it, or fit and save the model again."
+        )
+
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if attrs.get("format") != _MODEL_FORMAT:
+        return  # load says what the group is not
+    version = attrs.get("format_version", 0)
+    if not integer(version):
+        refuse(f"format_version is {version!r}, not an integer")
+    if version > _MODEL_VERSION:
+        return  # load says to upgrade
+    for key, check, kind in [
+        ("params", lambda v: isinstance(v, dict), "a dict"),
+        ("kernel", lambda v: isinstance(v, dict) and isinstance(v.get("kernel"), str),
+         "a dict naming the kernel"),
+        ("n_features_in", lambda v: integer(v) and v >= 1, "a positive integer"),
+        ("rank", lambda v: integer(v) and v >= 0, "a non-negative integer"),
+        ("inertia", lambda v: number(v) and np.isfinite(v) and v >= 0, "a finite number >= 0"),
+        ("n_iter", lambda v: integer(v) and v >= 0, "a non-negative integer"),
+        ("initial_trace", lambda v: number(v) and np.isfinite(v), "a finite number"),
+        ("stop_reason", lambda v: isinstance(v, str), "a string"),
+        ("n_passes", lambda v: integer(v) and v >= 0, "a non-negative integer"),
+    ]:
+        if key not in attrs:
+            refuse(f"the attribute {key!r} is missing")
+        if not check(attrs[key]):
+            refuse(f"the attribute {key!r} is {str(attrs[key])[:60]}, not {kind}")
+    missing = [name for name in _MODEL_ARRAYS if name not in arrays]
+    if missing:
+        refuse(f"the array(s) {', '.join(missing)} are missing")
+    r, d = attrs["rank"], attrs["n_features_in"]
+    pivots, rows = arrays["pivots"], arrays["pivot_rows"]
+    L, centers = arrays["cholesky_factor"], arrays["cluster_centers"]
+    trace_errors = arrays["trace_errors"]
+    if pivots.shape != (r,) or pivots.dtype.kind not in "iu":
+        refuse(f"pivots has shape {pivots.shape} and dtype {pivots.dtype}, not ({r},) "
+               "integers (one training row per rank)")
+    shape = attrs["input"].get("shape") if isinstance(attrs.get("input"), dict) else None
+    n_train = shape[0] if isinstance(shape, list) and shape and integer(shape[0]) else None
+    if r and (pivots.min() < 0 or (n_train is not None and pivots.max() >= n_train)):
+        within = f"0..{n_train - 1}, the training rows" if n_train is not None else "0.."
+        refuse(f"pivots range over {pivots.min()}..{pivots.max()}, outside {within}")
+    if np.unique(pivots).size != pivots.size:
+        refuse("pivots holds the same row twice")
+    if rows.shape != (r, d):
+        refuse(f"pivot_rows has shape {rows.shape}, not ({r}, {d}) (rank, n_features_in)")
+    if L.shape != (r, r):
+        refuse(f"cholesky_factor has shape {L.shape}, not ({r}, {r})")
+    if np.any(np.triu(L, 1)):
+        refuse("cholesky_factor is not lower triangular")
+    if r and not np.all(np.diag(L) > 0):
+        refuse("cholesky_factor has a diagonal entry that is not positive")
+    if centers.ndim != 2 or centers.shape[1] != r or centers.shape[0] < 1:
+        refuse(f"cluster_centers has shape {centers.shape}, not (n_clusters, {r})")
+    k = attrs["params"].get("n_clusters")
+    if integer(k) and centers.shape[0] != k:
+        refuse(f"cluster_centers has {centers.shape[0]} rows for n_clusters={k}")
+    if trace_errors.ndim != 1:
+        refuse(f"trace_errors has shape {trace_errors.shape}, not 1-D")
+    for name, value in (("pivot_rows", rows), ("cholesky_factor", L),
+                        ("cluster_centers", centers), ("trace_errors", trace_errors)):
+        if not np.isfinite(value).all():
+            refuse(f"{name} holds NaN or infinity")
+    names = attrs.get("feature_names_in")
+    if names is not None and (not isinstance(names, list) or len(names) != d
+                              or not all(isinstance(n, str) for n in names)):
+        refuse(f"feature_names_in is not a list of {d} strings")
+    kparams = dict(attrs["kernel"])
+    name = kparams.pop("kernel")
+    try:
+        make_kernel(name, **kparams)
+    except (TypeError, ValueError) as exc:
+        refuse(f"its kernel {attrs['kernel']} cannot be made ({exc})")

@@ -607,7 +607,13 @@ def _check_extent(arr: zarr.Array, url: str, *, every_chunk: bool) -> None:
     import psutil
 
     grid = getattr(arr, "shards", None) or arr.chunks
-    counts = [-(-s // c) if c else 0 for s, c in zip(arr.shape, grid)]
+    if len(grid) != len(arr.shape) or not all(isinstance(c, int) and c >= 1 for c in grid):
+        raise DkicfIOError(
+            f"refusing {url}: its metadata declares chunks {tuple(grid)} for shape "
+            f"{tuple(arr.shape)}; chunks need one positive length per dimension. The "
+            "metadata is damaged: restore the store or convert the data again."
+        )
+    counts = [-(-s // c) for s, c in zip(arr.shape, grid)]
     n_objects = math.prod(counts)
     claimed = (f"its metadata claims shape {tuple(arr.shape)} in {n_objects:,} chunk(s) of "
                f"{tuple(grid)}")
@@ -622,6 +628,32 @@ def _check_extent(arr: zarr.Array, url: str, *, every_chunk: bool) -> None:
             "rewrite the array with larger chunks; if not, the metadata (zarr.json or "
             ".zarray) is damaged: restore the store or convert the data again."
         )
+
+
+def _check_links(url: str) -> None:
+    """Refuse a local store that holds a symbolic link to anything outside it.
+
+    A chunk (or a whole member) linked from elsewhere would be read as this
+    store's data, and could end up in an output (a model keeps pivot rows of
+    X).  The location given may itself be a link: the store is what it
+    resolves to.  Links that stay inside the store are fine.
+    """
+    local = _local_path(url)
+    if local is None or not local.is_dir():
+        return
+    root = os.path.realpath(local)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                continue
+            target = os.path.realpath(path)
+            if os.path.commonpath([root, target]) != root:
+                raise DkicfIOError(
+                    f"refusing {url}: {path} is a symbolic link to {target}, outside the "
+                    "store; dkicf reads only data inside the store it is given. Copy the "
+                    "data into the store, or pass the linked location itself."
+                )
 
 
 def _check_allocation(arr: zarr.Array, url: str) -> None:
@@ -652,6 +684,7 @@ def _open_checked(
     else:
         url = absolute_location(url_or_array)
         node = _probe(url, storage_options)
+        _check_links(url)
         if node.kind == "group":
             raise _not_an_array(url, storage_options)
         _check_meta(url, node.meta, node.zarr_format)
@@ -715,6 +748,59 @@ def open_array(url, *, storage_options: dict | None = None) -> zarr.Array:
     return _open_checked(url, storage_options, ndim=2, every_chunk=True)[0]
 
 
+class _Reads:
+    """A Zarr array as dask reads it, with damaged chunk data reported as a DkicfIOError.
+
+    zarr and the codecs raise many types on bytes that do not decode (a
+    RuntimeError from zstd, a ValueError from a reshape, ...), from inside
+    a task; this names the store and the rows instead.
+    """
+
+    def __init__(self, arr: zarr.Array, url: str):
+        self.arr, self.url = arr, url
+        self.shape, self.dtype, self.ndim = arr.shape, arr.dtype, arr.ndim
+
+    def __dask_tokenize__(self):
+        return ("dkicf-zarr", self.url, json.dumps(self.arr.metadata.to_dict(), sort_keys=True,
+                                                   default=str))
+
+    def __getitem__(self, key):
+        try:
+            return self.arr[key]
+        except DkicfError:
+            raise
+        except Exception as exc:
+            where = key[0] if isinstance(key, tuple) and key else key
+            rows = (f"rows {where.start}:{where.stop}" if isinstance(where, slice)
+                    else f"selection {key}")
+            raise DkicfIOError(
+                f"cannot read {rows} of the Zarr array {self.url}: the chunk data does not "
+                f"decode with the codecs its metadata declares ({type(exc).__name__}: {exc}). "
+                "The store is damaged: restore it or convert the data again."
+            ) from exc
+
+
+def _from_zarr(arr: zarr.Array, url: str, chunks):
+    import dask.array as da
+    from dask.base import tokenize
+
+    reads = _Reads(arr, url)
+    return da.from_array(reads, chunks=chunks, name=f"from-zarr-{tokenize(reads, chunks)}",
+                         meta=np.empty((0,) * arr.ndim, dtype=arr.dtype), asarray=True)
+
+
+def _check_label_values(url: str, values) -> None:
+    """The group attribute ``label_values``: absent, or a list of numbers or strings."""
+    if values is None:
+        return
+    if not isinstance(values, list) or not all(isinstance(v, (str, int, float)) for v in values):
+        raise DkicfIOError(
+            f"refusing {url}: its attribute label_values is {str(values)[:80]}, not a list of "
+            "the original class values (numbers or strings, one per class index in y). "
+            "Convert the data again, or remove the attribute."
+        )
+
+
 def _dask_chunks(arr: zarr.Array) -> tuple[int, int]:
     rows = (getattr(arr, "shards", None) or arr.chunks)[0]
     return (rows, arr.shape[1])
@@ -748,10 +834,8 @@ def as_dask(url_or_array, *, storage_options: dict | None = None):
     >>> float(as_dask(os.path.join(d, "m.zarr", "X")).sum().compute())
     6.0
     """
-    import dask.array as da
-
-    arr, _ = _open_checked(url_or_array, storage_options, ndim=2, every_chunk=True)
-    return da.from_zarr(arr, chunks=_dask_chunks(arr))
+    arr, url = _open_checked(url_or_array, storage_options, ndim=2, every_chunk=True)
+    return _from_zarr(arr, url, _dask_chunks(arr))
 
 
 def open_dataset(url, *, storage_options: dict | None = None):
@@ -794,7 +878,6 @@ def open_dataset(url, *, storage_options: dict | None = None):
     >>> X.shape, y.shape, info["label_values"]
     ((100, 2), (100,), [0, 1])
     """
-    import dask.array as da
 
     url = absolute_location(url)
     node = _probe(url, storage_options)
@@ -804,6 +887,7 @@ def open_dataset(url, *, storage_options: dict | None = None):
         attrs = dict(arr.attrs)
         y = None
     else:
+        _check_links(url)
         names = _group_arrays(url, storage_options)
         if "X" not in names:
             listed = ", ".join(names) or "none"
@@ -827,7 +911,8 @@ def open_dataset(url, *, storage_options: dict | None = None):
                     f"{y_url} has dtype {y_arr.dtype}; labels must be integers "
                     "(convert writes int64 class indices)."
                 )
-            y = da.from_zarr(y_arr, chunks=(X.chunks[0],))
+            y = _from_zarr(y_arr, y_url, (X.chunks[0],))
+            _check_label_values(url, attrs.get("label_values"))
     info = {
         "url": url,
         "shape": [int(X.shape[0]), int(X.shape[1])],
@@ -1366,21 +1451,40 @@ class _Source:
     read: Callable[[int], Iterator[tuple[np.ndarray, np.ndarray | None]]]
 
 
+@contextlib.contextmanager
+def _npy_errors(src: str, what: str):
+    """Any failure to parse .npy/.npz bytes as a :class:`DkicfIOError` naming the file.
+
+    numpy and zipfile raise many types on damaged bytes (EOFError, zlib and
+    tokenizer errors, ...); reading with ``allow_pickle=False`` runs no code,
+    so every one of them means a file that is not what it claims.
+    """
+    try:
+        yield
+    except DkicfError:
+        raise
+    except Exception as exc:
+        raise DkicfIOError(
+            f"cannot read {src}: {what} is damaged or not a plain numeric .npy array "
+            f"({type(exc).__name__}: {exc}). Save it again with numpy.save / numpy.savez."
+        ) from exc
+
+
 def _npy_source(path: Path, src: str, label_column) -> _Source:
     if label_column is not None:
         raise DkicfIOError(
             f"label_column applies to .csv and .parquet sources, not {src}; store labels as "
             "y in an .npz file instead."
         )
-    try:
+    with _npy_errors(src, "the .npy file"):
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
-        raise DkicfIOError(f"cannot read {src} as a numeric .npy array: {exc}") from exc
     _check_source_layout(arr.dtype, arr.shape, src)
 
     def read(rows: int):
         for lo in range(0, arr.shape[0], rows):
-            yield arr[lo : lo + rows], None
+            with _npy_errors(src, "the .npy file"):
+                block = np.array(arr[lo : lo + rows])
+            yield block, None
 
     return _Source("npy", arr.shape[0], arr.shape[1], None, read)
 
@@ -1422,7 +1526,7 @@ def _npz_source(path: Path, src: str, label_column) -> _Source:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile as exc:
         raise DkicfIOError(f"{src} is not a valid .npz (zip) file: {exc}") from exc
-    with zf:
+    with zf, _npy_errors(src, "the .npz file"):
         members = zf.namelist()
         if "X.npy" not in members:
             names = ", ".join(m.removesuffix(".npy") for m in members) or "none"
@@ -1436,7 +1540,8 @@ def _npz_source(path: Path, src: str, label_column) -> _Source:
     n, d = shape
     coder = None
     if "y.npy" in members:
-        with zipfile.ZipFile(path) as zf, zf.open("y.npy") as f:
+        with (_npy_errors(src, "its member y.npy"), zipfile.ZipFile(path) as zf,
+              zf.open("y.npy") as f):
             y = np.lib.format.read_array(f, allow_pickle=False)
         if y.ndim != 1 or y.shape[0] != n:
             raise DkicfIOError(
@@ -1446,7 +1551,7 @@ def _npz_source(path: Path, src: str, label_column) -> _Source:
         coder.add(y)
 
     def read(rows: int):
-        with zipfile.ZipFile(path) as zf:
+        with _npy_errors(src, "its member X.npy"), zipfile.ZipFile(path) as zf:
             stream, _, _, _ = _npz_header(zf, "X.npy", src)
             with stream:
                 if fortran:
@@ -1930,6 +2035,26 @@ def _open_source(path: Path, src: str, label_column, block_rows: int, columns=No
     return _svmlight_source(path, src, label_column, block_rows)
 
 
+def _check_block_fits(src: str, n: int, d: int, rows: int) -> None:
+    """Refuse a source whose rows are too wide to hold one block of them in memory.
+
+    The width comes from the file (the largest svmlight index, the longest
+    csv line, the .npy header): a damaged or hostile file can claim any.
+    """
+    import psutil
+
+    # A block is parsed as float64 and then converted: two copies at most.
+    need = 2 * min(rows, n) * d * 8
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise DkicfIOError(
+            f"cannot convert {src}: it has {d:,} columns, so a block of {min(rows, n):,} "
+            f"row(s) needs {need / 2**30:.3g} GiB, more than the {available / 2**30:.3g} GiB "
+            "available. If the file is right, convert it with fewer columns; a single huge "
+            "index in an svmlight line, or a damaged header, gives such a width."
+        )
+
+
 def convert(
     src,
     dst,
@@ -2038,6 +2163,7 @@ def convert(
     if source.n == 0 or source.d == 0:
         raise DkicfIOError(f"{src_name} is empty: {source.n} rows, {source.d} columns.")
     rows = _resolve_chunk_rows(chunk_rows, source.n, source.d, target)
+    _check_block_fits(src_name, source.n, source.d, rows)
     label_values = source.labels.finish() if source.labels is not None else None
 
     def blocks():
@@ -2562,13 +2688,12 @@ def open_member(url, name: str, *, storage_options: dict | None = None):
 
     Returns None when the group has no such array.
     """
-    import dask.array as da
 
     url = absolute_location(url)
     if name not in _group_arrays(url, storage_options):
         return None
-    arr, _ = _open_checked(_join(url, name), storage_options, ndim=None)
-    return da.from_zarr(arr, chunks=arr.chunks)
+    arr, where = _open_checked(_join(url, name), storage_options, ndim=None)
+    return _from_zarr(arr, where, arr.chunks)
 
 
 def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:

@@ -25,3 +25,18 @@ def client():
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the fuzz tests skip themselves
+    pass
+else:
+    _FUZZ = dict(deadline=None, database=None, print_blob=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                        HealthCheck.filter_too_much])
+    # The suite's run: short, and the same cases every time.
+    settings.register_profile("default", max_examples=50, derandomize=True, **_FUZZ)
+    # The campaign's (--hypothesis-profile=long, benchmarks/bench_campaign.py).
+    settings.register_profile("long", max_examples=2000, **_FUZZ)
+    settings.load_profile("default")

@@ -149,9 +149,10 @@ def test_complete_stores_pass_the_extent_checks(tmp_path):
     zarr.create_array(str(tmp_path / "v2.zarr"), data=X, chunks=(7, 2), zarr_format=2)
     zarr.create_array(str(tmp_path / "sh.zarr"), data=X, chunks=(5, 2), shards=(10, 2))
     for url in (tmp_path / "v2.zarr", tmp_path / "sh.zarr", f"file://{tmp_path / 'sh.zarr'}"):
-        np.testing.assert_array_equal(io.as_dask(url).compute(), X)
+        np.testing.assert_array_equal(io.as_dask(url).compute(scheduler="synchronous"), X)
     io.write_group("memory://extent/d.zarr", {"X": X}, {})
-    np.testing.assert_array_equal(io.as_dask("memory://extent/d.zarr/X").compute(), X)
+    in_memory = io.as_dask("memory://extent/d.zarr/X")
+    np.testing.assert_array_equal(in_memory.compute(scheduler="synchronous"), X)
     # One chunk file gone: refused at opening, naming the count, not at the read.
     (tmp_path / "v2.zarr" / "4.0").unlink()
     with pytest.raises(io.MissingChunkError, match=r"chunk '4.0' .* in 5 chunk\(s\) of \(7, 2\), "
@@ -423,3 +424,124 @@ def test_dask_processes_of_a_killed_test_run_end_with_it(tmp_path):
     runner.wait(timeout=30)
     gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
+
+
+# --------------------------------------------------------------------------
+# what the fuzzing found, kept as plain regression tests
+
+
+def test_an_svmlight_index_too_large_for_memory_is_refused_before_allocating(tmp_path):
+    src = tmp_path / "wide.svm"
+    src.write_text("1 1:0.5\n-1 454379574543:680 2:1\n")
+    proc = _run_limited("""
+        from dkicf import io
+        try:
+            io.convert("wide.svm", "wide.zarr")
+        except io.DkicfIOError as exc:
+            print("REFUSED", exc)
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("REFUSED cannot convert wide.svm: it has 454,379,574,543 "
+                                  "columns"), proc.stdout
+    assert not (tmp_path / "wide.zarr").exists()
+
+
+def test_damaged_npy_and_npz_files_are_refused_by_name(tmp_path):
+    import io as bytes_io
+    import zipfile
+
+    good = tmp_path / "good.npy"
+    np.save(good, np.ones((4, 2)))
+    cases = {"empty.npy": b"", "cut.npy": good.read_bytes()[:60]}
+    buf = bytes_io.BytesIO()
+    np.savez(buf, X=np.ones((2, 2)), y=np.array([1, "a"], dtype=object))
+    cases["objects.npz"] = buf.getvalue()
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DkicfIOError, match=rf"cannot read {tmp_path / name}: (the \.npy "
+                                               r"file|its member y\.npy) is damaged or not a "
+                                               r"plain numeric \.npy array"):
+            io.convert(tmp_path / name, tmp_path / "out.zarr")
+        assert not (tmp_path / "out.zarr").exists()
+    assert zipfile.is_zipfile(tmp_path / "objects.npz")
+
+
+def test_a_chunk_linked_from_outside_the_store_is_refused(tmp_path):
+    io.generate("ring", tmp_path / "d.zarr", 40, chunk_rows=10)
+    io.generate("ring", tmp_path / "other.zarr", 40, chunk_rows=10, random_state=7)
+    chunk = tmp_path / "d.zarr" / "X" / "c" / "1" / "0"
+    chunk.unlink()
+    chunk.symlink_to(tmp_path / "other.zarr" / "X" / "c" / "1" / "0")
+    for call in (io.open_dataset, lambda s: io.as_dask(s / "X"),
+                 lambda s: io.fingerprint(s / "X")):
+        with pytest.raises(DkicfIOError, match=rf"{chunk} is a symbolic link to "
+                                               rf"{tmp_path / 'other.zarr'}.*outside the store"):
+            call(tmp_path / "d.zarr")
+    # A link that stays inside the store, and a store reached through a link, are fine.
+    chunk.unlink()
+    (tmp_path / "d.zarr" / "X" / "c" / "spare").write_bytes(
+        (tmp_path / "d.zarr" / "X" / "c" / "0" / "0").read_bytes())
+    chunk.symlink_to(tmp_path / "d.zarr" / "X" / "c" / "spare")
+    (tmp_path / "link.zarr").symlink_to(tmp_path / "d.zarr")
+    X, _, _ = io.open_dataset(tmp_path / "link.zarr")
+    np.testing.assert_array_equal(X[10:20].compute(), X[0:10].compute())
+
+
+def test_chunk_data_that_does_not_decode_is_an_error_naming_the_rows(tmp_path):
+    io.generate("ring", tmp_path / "d.zarr", 40, chunk_rows=10)
+    (tmp_path / "d.zarr" / "X" / "c" / "2" / "0").write_bytes(b"\x28\xb5\x2f\xfd garbage")
+    X, _, _ = io.open_dataset(tmp_path / "d.zarr")
+    with pytest.raises(DkicfIOError, match=rf"cannot read rows 20:30 of the Zarr array "
+                                           rf"{tmp_path / 'd.zarr' / 'X'}: the chunk data does "
+                                           r"not decode .*restore it"):
+        X.compute(scheduler="synchronous")
+
+
+def test_zero_chunks_and_label_values_of_the_wrong_type_are_refused(tmp_path):
+    io.generate("ring", tmp_path / "d.zarr", 40, chunk_rows=10)
+    meta = tmp_path / "d.zarr" / "X" / "zarr.json"
+    original = meta.read_text()
+    _edit = json.loads(original)
+    _edit["chunk_grid"]["configuration"]["chunk_shape"] = [0, 2]
+    meta.write_text(json.dumps(_edit))
+    with pytest.raises(DkicfIOError, match=r"declares chunks \(0, 2\) for shape \(40, 2\)"):
+        io.open_dataset(tmp_path / "d.zarr")
+    meta.write_text(original)
+    from dkicf import pipeline
+
+    group_meta = tmp_path / "d.zarr" / "zarr.json"
+    group = json.loads(group_meta.read_text())
+    group["attributes"]["label_values"] = 5
+    group_meta.write_text(json.dumps(group))
+    for call in (io.open_dataset, pipeline.describe):
+        with pytest.raises(DkicfIOError, match="its attribute label_values is 5, not a list"):
+            call(str(tmp_path / "d.zarr"))
+
+
+@pytest.mark.parametrize("tamper, match", [
+    (lambda a, t: a.update(cholesky_factor=a["cholesky_factor"].T.copy()),
+     "cholesky_factor is not lower triangular"),
+    (lambda a, t: a["cluster_centers"].__setitem__((1, 0), np.nan),
+     "cluster_centers holds NaN or infinity"),
+    (lambda a, t: a["pivots"].__setitem__(0, 60), r"pivots range over .*\.\.60, outside 0\.\.59"),
+    (lambda a, t: a["pivots"].__setitem__(0, -1), r"pivots range over -1\.\."),
+    (lambda a, t: a.pop("pivot_rows"), r"the array\(s\) pivot_rows are missing"),
+    (lambda a, t: a.update(pivot_rows=a["pivot_rows"][:, :2].copy()),
+     r"pivot_rows has shape \(8, 2\), not \(8, 3\)"),
+    (lambda a, t: t.update(rank="8"), "the attribute 'rank' is 8, not a non-negative integer"),
+    (lambda a, t: t.update(kernel={"kernel": "nope"}), "its kernel .* cannot be made"),
+])
+def test_a_tampered_model_is_refused_by_load_naming_the_problem(tmp_path, tamper, match):
+    from dkicf import KernelKMeans, load
+
+    X = np.random.default_rng(5).normal(size=(60, 3))
+    model = KernelKMeans(n_clusters=3, gamma=0.5, rank=8, n_init=1, random_state=0).fit(X)
+    from dkicf.estimator import _model_arrays_attrs
+
+    arrays, attrs = _model_arrays_attrs(model)
+    arrays = {k: np.array(v) for k, v in arrays.items()}
+    attrs["input"] = {"shape": [60, 3]}
+    tamper(arrays, attrs)
+    io.write_group(tmp_path / "m.zarr", arrays, attrs)
+    with pytest.raises(DkicfIOError, match=rf"m\.zarr is not a valid dkicf model: {match}"):
+        load(tmp_path / "m.zarr")
