@@ -159,6 +159,22 @@ def _claim(
     return None
 
 
+def _check_still_there(url: str, kind: str, what: str, options: dict | None = None) -> None:
+    """Refuse to commit into a checkpoint that was removed or replaced since it was opened.
+
+    Writing on would re-create its folders and leave a checkpoint with some
+    arrays and no commit (or another run's commit) behind.
+    """
+    if _dkicf_attrs(url, kind, options) is None:
+        from .io import DkicfIOError
+
+        raise DkicfIOError(
+            f"the {what} at {url!r} was removed or replaced while the fit ran; the fit stops "
+            "rather than write a partial checkpoint there. Run it again (with a new "
+            "checkpoint, or none): nothing was published at the output."
+        )
+
+
 def _location(value, name: str) -> str | None:
     """A path-like or URL as a string, a local path made absolute (workers share it)."""
     from .io import absolute_location
@@ -383,6 +399,8 @@ class Checkpoint(_Storage):
 
         r = history.rank
         spec, backend = self.ckpt_spec, self.backend
+        _check_still_there(spec.root, _CHECKPOINT, "checkpoint",
+                           spec.zarr_kwargs().get("storage_options"))
         cb = spec.columns
         backend.write_p(spec, self._saved_rank // cb * cb)
         _phase("P", it)
@@ -786,6 +804,8 @@ class StateCheckpoint:
         import zarr
 
         buffers = dict(self.commit["arrays"]) if self.commit else {}
+        _check_still_there(self.url, self.kind, f"{self.kind.removeprefix('state-')} checkpoint",
+                           self._kw.get("storage_options"))
         group = zarr.open_group(store=self.url, mode="r+", **self._kw)
         for name, value in arrays.items():
             value = np.asarray(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -451,14 +452,115 @@ def fit_store(
     io.check_not_input(out, {"the dataset": store, "the checkpoint": checkpoint})
     # One run at a time writes the output and the checkpoint; the claim of a
     # run that was killed is taken over by one that resumes or overwrites.
-    with io.claimed({"the output": out, "the checkpoint": checkpoint},
-                    take_over=resume or overwrite):
+    with (_write_errors(store, out, checkpoint, params, save_p, storage_options),
+          io.claimed({"the output": out, "the checkpoint": checkpoint},
+                     take_over=resume or overwrite)):
         return _fit_claimed(
             store, out, params, t_start, client=client, overwrite=overwrite,
             p_storage=p_storage, persist=persist, storage_options=storage_options,
             progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
             resume=resume, save_p=save_p,
         )
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError with an errno behind ``exc`` (itself, or what it was raised from)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+def _free_bytes(path: str | None) -> int | None:
+    """Free bytes on the filesystem of a local ``path`` (its nearest existing parent)."""
+    import os
+    import shutil
+
+    from . import io
+
+    local = io._local_path(path) if path else None
+    if local is None:
+        return None
+    while not os.path.exists(local) and local != local.parent:
+        local = local.parent
+    try:
+        return shutil.disk_usage(local).free
+    except OSError:
+        return None
+
+
+@contextmanager
+def _write_errors(store, out, checkpoint, params, save_p, storage_options):
+    """A fit that cannot write (full disk, read-only, no permission) fails naming where and why.
+
+    The error names the path, what was being written, roughly how much room
+    the whole output (or checkpoint) takes and how much is free, and what
+    is left: nothing at ``out`` (outputs are staged), and the checkpoint's
+    last commit, which resumes once there is room.
+    """
+    import errno
+
+    from . import io
+
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - only OSErrors with an errno are translated
+        cause = _os_error(exc)
+        if cause is None or cause.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                                                errno.EACCES, errno.EPERM):
+            raise
+        def bare(url) -> str:  # a location without its scheme, as filesystems name files
+            return str(url).split("://", 1)[-1].lstrip("/")
+
+        def within(path: str, location: str) -> bool:
+            """``path`` is in ``location``, or is one of dkicf's files beside it."""
+            inner, outer = bare(path), bare(location).rstrip("/")
+            parent, _, name = outer.rpartition("/")
+            return (inner == outer or inner.startswith(outer + "/")
+                    or inner.startswith(f"{parent}/.{name}.dkicf-"))
+
+        path = str(cause.filename or (checkpoint if checkpoint else out))
+        in_checkpoint = bool(checkpoint) and within(path, checkpoint)
+        location = checkpoint if in_checkpoint else out
+        what = f"the checkpoint {checkpoint}" if in_checkpoint else f"the output {out}"
+        try:
+            node = store if io._probe(store, storage_options).kind == "array" \
+                else io._join(store, "X")
+            n = int(io._probe(node, storage_options).meta["shape"][0])
+        except Exception:  # noqa: BLE001 - the estimate is only for the message
+            n = None
+        rank = params.get("rank", 100)
+        if n is None or not isinstance(rank, int):
+            need = "an unknown amount"
+        elif in_checkpoint:  # P, the residual's two buffers, L and the pivot rows
+            need = _size(8 * n * rank + 16 * n + 8 * rank * rank)
+        else:  # P (unless save_p=False) and the labels
+            need = _size((8 * n * rank if save_p else 0) + 4 * n)
+        full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        kept = (f" The checkpoint {checkpoint} keeps its last commit: run again with "
+                "resume=True (dkicf fit: --resume) once there is room."
+                if checkpoint and full else "")
+        if full:
+            free = _free_bytes(path) if io._local_path(location) is not None else None
+            room = "" if free is None else f", {_size(free)} free now"
+            message = (
+                f"no space left to write {path} ({cause.strerror or cause}): {what} takes "
+                f"about {need} in all{room}. Free space there, or choose a location with "
+                "more room. Nothing was published at the output."
+            )
+        else:
+            message = (
+                f"cannot write {path} ({cause.strerror or cause}): {what} must be on a "
+                "writable filesystem where this user may create files. Choose another "
+                "location. Nothing was published at the output."
+            )
+        raise io.DkicfIOError(message + kept) from exc
 
 
 def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, persist,

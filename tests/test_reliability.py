@@ -545,3 +545,172 @@ def test_a_tampered_model_is_refused_by_load_naming_the_problem(tmp_path, tamper
     io.write_group(tmp_path / "m.zarr", arrays, attrs)
     with pytest.raises(DkicfIOError, match=rf"m\.zarr is not a valid dkicf model: {match}"):
         load(tmp_path / "m.zarr")
+
+
+# --------------------------------------------------------------------------
+# full disks, refused writes, a checkpoint removed mid-fit
+
+
+@pytest.fixture
+def small_memory_fs():
+    from _smallfs import SmallMemoryFileSystem
+
+    SmallMemoryFileSystem.reset()
+    yield SmallMemoryFileSystem
+    SmallMemoryFileSystem.reset()
+
+
+@pytest.fixture(scope="module")
+def thread_client():
+    """Workers in this process: they see the in-memory filesystem the test fills."""
+    from distributed import Client
+
+    # processes=False: the scheduler and workers talk in-process (inproc://), no sockets.
+    with Client(processes=False, n_workers=1, threads_per_worker=2,
+                dashboard_address=None) as c:
+        yield c
+
+
+_DISK_PARAMS = {"n_clusters": 3, "gamma": 0.5, "rank": 24, "n_init": 1, "random_state": 0,
+                "pivoting": "greedy", "max_iter": 30}
+
+
+def _arrays_at(url: str) -> dict:
+    arrays, _ = io.read_group(url)
+    arrays["labels"] = io.open_member(url, "labels").compute(scheduler="synchronous")
+    return arrays
+
+
+@pytest.mark.parametrize("where", ["output", "checkpoint", "P in the output"])
+def test_a_full_disk_ends_in_an_error_naming_the_path_and_the_fit_resumes(
+        tmp_path, small_memory_fs, thread_client, where):
+    from dkicf import pipeline
+
+    io.generate("blobs", tmp_path / "data.zarr", 2000, chunk_rows=500, centers=3)
+    data = str(tmp_path / "data.zarr")
+    before = _tree(tmp_path / "data.zarr")
+    pipeline.fit_store(data, str(tmp_path / "alone.zarr"), _DISK_PARAMS, client=thread_client)
+    alone = _arrays_at(str(tmp_path / "alone.zarr"))
+    out = "smallmem://disk/out.zarr"
+    ck = "smallmem://disk/ck.zarr" if where == "checkpoint" else None
+    kw = {"checkpoint": ck, "checkpoint_every": 4} if ck else {}
+    if where == "P in the output":
+        kw["p_storage"] = "zarr"
+    # Room for the start but not for P (2000 x 24 float64, 375 KiB); with a
+    # checkpoint, room for its first commit (about 400 KB) but not its second.
+    small_memory_fs.capacity = 415_000 if ck else 150_000
+    with pytest.raises(DkicfIOError, match=r"no space left to write /disk/.* \(No space left "
+                                           r"on device\)") as err:
+        pipeline.fit_store(data, out, _DISK_PARAMS, client=thread_client, **kw)
+    message = str(err.value)
+    what = f"the checkpoint {ck}" if ck else f"the output {out}"
+    assert f"{what} takes about " in message and "Nothing was published" in message
+    assert "free now" not in message  # unknown on an object store
+    fs = small_memory_fs()
+    assert not fs.exists("/disk/out.zarr")
+    assert _tree(tmp_path / "data.zarr") == before
+    small_memory_fs.capacity = 1 << 40  # space is freed
+    if ck:
+        assert "run again with resume=True" in message
+        report = pipeline.fit_store(data, out, _DISK_PARAMS, client=thread_client,
+                                    resume=True, **kw)
+        assert report.get("resumed_from_rank", 0) >= 4
+    else:
+        pipeline.fit_store(data, out, _DISK_PARAMS, client=thread_client, **kw)
+    resumed = _arrays_at(out)
+    for name in ("pivots", "cluster_centers", "cholesky_factor", "labels"):
+        np.testing.assert_array_equal(resumed[name], alone[name], err_msg=name)
+
+
+def test_a_checkpoint_removed_mid_fit_stops_the_fit_cleanly(tmp_path, thread_client):
+    import shutil as sh
+
+    from dkicf import pipeline
+
+    io.generate("blobs", tmp_path / "data.zarr", 2000, chunk_rows=500, centers=3)
+    ck, out = tmp_path / "ck.zarr", tmp_path / "out.zarr"
+
+    def remove_checkpoint(p):
+        if getattr(p, "rank", 0) >= 6 and ck.exists():
+            sh.rmtree(ck)
+
+    with pytest.raises(DkicfIOError, match=rf"the checkpoint at '{ck}' was removed or replaced "
+                                           r"while the fit ran"):
+        pipeline.fit_store(str(tmp_path / "data.zarr"), str(out), _DISK_PARAMS,
+                           client=thread_client, checkpoint=str(ck), checkpoint_every=4,
+                           progress=remove_checkpoint)
+    assert not out.exists() and not ck.exists()
+    assert not [p.name for p in tmp_path.iterdir() if ".dkicf-" in p.name]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A mounted tmpfs of 1 MiB (root only: skipped where it cannot be mounted)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+
+    def remount(options: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{options}", str(mount)], check=True)
+
+    try:
+        yield mount, remount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.parametrize("where", ["output", "checkpoint"])
+def test_a_full_local_disk_names_path_and_free_space_and_the_checkpoint_resumes(
+        tmp_path, small_tmpfs, client, where):
+    from dkicf import pipeline
+
+    mount, remount = small_tmpfs
+    io.generate("blobs", tmp_path / "data.zarr", 8000, chunk_rows=2000, centers=3)
+    data = str(tmp_path / "data.zarr")
+    before = _tree(tmp_path / "data.zarr")
+    pipeline.fit_store(data, str(tmp_path / "alone.zarr"), _DISK_PARAMS, client=client)
+    alone = _arrays_at(str(tmp_path / "alone.zarr"))
+    # P is 8000 x 24 float64, 1.5 MiB: it cannot fit in 1 MiB.
+    out = mount / "out.zarr"
+    ck = mount / "ck.zarr" if where == "checkpoint" else None
+    kw = {"checkpoint": str(ck), "checkpoint_every": 4} if ck else {}
+    with pytest.raises(DkicfIOError, match=rf"no space left to write {mount}/.* \(No space left "
+                                           r"on device\): the .* takes about 1\.\d+ MiB in all, "
+                                           r"0\.\d+ MiB free now") as err:
+        pipeline.fit_store(data, str(out if ck is None else tmp_path / "out.zarr"),
+                           _DISK_PARAMS, client=client, **kw)
+    assert not out.exists() and not (tmp_path / "out.zarr").exists()
+    assert not [p.name for p in mount.iterdir() if ".dkicf-tmp" in p.name or "claim" in p.name]
+    assert _tree(tmp_path / "data.zarr") == before
+    remount("size=16m")  # space is freed
+    if ck is None:
+        pipeline.fit_store(data, str(out), _DISK_PARAMS, client=client)
+        resumed = _arrays_at(str(out))
+    else:
+        assert "run again with resume=True" in str(err.value)
+        pipeline.fit_store(data, str(tmp_path / "out.zarr"), _DISK_PARAMS, client=client,
+                           resume=True, **kw)
+        resumed = _arrays_at(str(tmp_path / "out.zarr"))
+    for name in ("pivots", "cluster_centers", "cholesky_factor", "labels"):
+        np.testing.assert_array_equal(resumed[name], alone[name], err_msg=name)
+
+
+def test_read_only_locations_are_refused_naming_them(tmp_path, small_tmpfs, client):
+    from dkicf import pipeline
+
+    mount, remount = small_tmpfs
+    remount("ro")
+    io.generate("blobs", tmp_path / "data.zarr", 400, chunk_rows=100, centers=3)
+    data = str(tmp_path / "data.zarr")
+    with pytest.raises(DkicfIOError, match=rf"cannot write {mount}/.*Read-only file system.*"
+                                           rf"the output {mount / 'out.zarr'} must be on a "
+                                           r"writable filesystem"):
+        pipeline.fit_store(data, str(mount / "out.zarr"), _DISK_PARAMS, client=client)
+    with pytest.raises(DkicfIOError, match=rf"cannot write {mount}/.*Read-only file "
+                                           r"system.*the checkpoint .* must be on a writable"):
+        pipeline.fit_store(data, str(tmp_path / "out.zarr"), _DISK_PARAMS, client=client,
+                           checkpoint=str(mount / "ck.zarr"))
+    assert not (tmp_path / "out.zarr").exists()
