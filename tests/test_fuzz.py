@@ -89,14 +89,22 @@ def snapshot(path: Path) -> dict[str, bytes]:
     return out
 
 
+# When a list: each case appends (outcome, seconds) to it (benchmarks/bench_campaign.py).
+CASE_TIMES: list | None = None
+
+
 def run_case(call, *, inputs: list[Path], output: Path | None = None):
     """Run ``call``; return ("ok", result) or ("refused", error), checking the invariants.
 
     Fails the test on an error that is not clean, on a hang, on an input that
-    changed, and on an output left behind by a refused call.
+    changed ("data lost"), and on an output left behind by a refused call
+    ("partial output").
     """
+    import time
+
     before = [snapshot(p) for p in inputs]
     outcome = None
+    t0 = time.perf_counter()
     try:
         with case_limits():
             outcome = ("ok", call())
@@ -107,13 +115,15 @@ def run_case(call, *, inputs: list[Path], output: Path | None = None):
             pytest.fail("not a clean error: " + "".join(
                 traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:])
         outcome = ("refused", exc)
+    if CASE_TIMES is not None:
+        CASE_TIMES.append((outcome[0], time.perf_counter() - t0))
     for path, seen in zip(inputs, before):
-        assert snapshot(path) == seen, f"the input {path} was changed"
+        assert snapshot(path) == seen, f"data lost: the input {path} was changed"
     if output is not None:
         leftovers = [p.name for p in output.parent.iterdir() if ".dkicf-tmp" in p.name]
-        assert not leftovers, leftovers
+        assert not leftovers, f"partial output: {leftovers}"
         if outcome[0] == "refused":
-            assert not os.path.lexists(output), "a refused call left its output"
+            assert not os.path.lexists(output), "partial output: a refused call left it"
     return outcome
 
 
