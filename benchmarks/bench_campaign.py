@@ -185,8 +185,8 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
         for run in range(kills):
             stage = stages[run % len(stages)]
             out = tmp / f"chaos-{run}.zarr"
-            trigger = threading.Event()
-            at = {"icf": rng.randint(1, PARAMS["rank"] - 1), "kmeans": rng.randint(1, 10)}
+            trigger, done = threading.Event(), threading.Event()
+            at = {"icf": rng.randint(1, PARAMS["rank"] - 1), "kmeans": rng.randint(1, 3)}
             killed: list[int] = []
 
             def progress(p, stage=stage, at=at, trigger=trigger):
@@ -196,7 +196,7 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
                 if stage == "kmeans" and rank is None and getattr(p, "step", 0) >= at["kmeans"]:
                     trigger.set()
 
-            def killer(stage=stage, out=out, trigger=trigger, killed=killed):
+            def killer(stage=stage, out=out, trigger=trigger, done=done, killed=killed):
                 if stage == "loading":
                     time.sleep(rng.uniform(0.0, 0.5))
                 elif stage == "write":
@@ -206,6 +206,8 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
                         time.sleep(0.005)
                 else:
                     trigger.wait(300)
+                if done.is_set():  # the fit ended first: no kill in this stage
+                    return
                 pids = list(_worker_pids(client).values())
                 victim = rng.choice(pids)
                 with contextlib.suppress(ProcessLookupError):
@@ -224,6 +226,7 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
             else:
                 same = _same(_model(str(out)), expected)
                 family.case(same, lost=not same)
+            done.set()
             trigger.set()
             thread.join(60)
             delivered[stage] += len(killed)
@@ -251,7 +254,7 @@ def chaos_driver(kills: int, seed: int, data: str, tmp: Path) -> Family:
         for run in range(kills):
             out, ck = tmp / f"driver-{run}.zarr", tmp / f"driver-{run}-ck.zarr"
             in_kmeans = run % 2 == 1
-            at = rng.randint(1, 10) if in_kmeans else rng.randint(2, PARAMS["rank"] - 1)
+            at = rng.randint(1, 3) if in_kmeans else rng.randint(2, PARAMS["rank"] - 1)
             code = textwrap.dedent(f"""
                 import os, signal
                 from distributed import Client
