@@ -515,6 +515,7 @@ def _write_errors(store, out, checkpoint, params, save_p, storage_options):
         if cause is None or cause.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
                                                 errno.EACCES, errno.EPERM):
             raise
+
         def bare(url) -> str:  # a location without its scheme, as filesystems name files
             return str(url).split("://", 1)[-1].lstrip("/")
 
@@ -527,6 +528,8 @@ def _write_errors(store, out, checkpoint, params, save_p, storage_options):
 
         path = str(cause.filename or (checkpoint if checkpoint else out))
         in_checkpoint = bool(checkpoint) and within(path, checkpoint)
+        if cause.filename and not (in_checkpoint or within(path, out)):
+            raise  # not a write of this fit's (an input that cannot be read, say)
         location = checkpoint if in_checkpoint else out
         what = f"the checkpoint {checkpoint}" if in_checkpoint else f"the output {out}"
         try:

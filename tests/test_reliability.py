@@ -714,3 +714,26 @@ def test_read_only_locations_are_refused_naming_them(tmp_path, small_tmpfs, clie
         pipeline.fit_store(data, str(tmp_path / "out.zarr"), _DISK_PARAMS, client=client,
                            checkpoint=str(mount / "ck.zarr"))
     assert not (tmp_path / "out.zarr").exists()
+
+
+def test_only_this_fits_own_writes_are_reported_as_refused_writes(tmp_path):
+    import errno
+
+    from dkicf.pipeline import _write_errors
+
+    data, out = str(tmp_path / "data.zarr"), str(tmp_path / "out.zarr")
+    io.generate("ring", data, 40)
+    unreadable = PermissionError(errno.EACCES, "Permission denied", f"{data}/X/c/0/0")
+    with pytest.raises(PermissionError) as err:
+        with _write_errors(data, out, None, {"rank": 4}, True, None):
+            raise unreadable
+    assert err.value is unreadable
+    staged = f"{tmp_path}/.out.zarr.dkicf-tmp-0123456789ab/P/c/0/0"
+    with pytest.raises(DkicfIOError, match=rf"cannot write {staged} \(Permission denied\): "
+                                           rf"the output {out} must be on a writable"):
+        with _write_errors(data, out, None, {"rank": 4}, True, None):
+            raise PermissionError(errno.EACCES, "Permission denied", staged)
+    with pytest.raises(DkicfIOError, match=r"no space left to write .* the output .* takes "
+                                           r"about 0\.00\d+ MiB in all, [0-9.e+]+ MiB free now"):
+        with _write_errors(data, out, None, {"rank": 4}, True, None):
+            raise OSError(errno.ENOSPC, "No space left on device", staged)
