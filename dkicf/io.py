@@ -767,7 +767,7 @@ class _Reads:
     def __getitem__(self, key):
         try:
             return self.arr[key]
-        except DkicfError:
+        except (DkicfError, MemoryError):
             raise
         except Exception as exc:
             where = key[0] if isinstance(key, tuple) and key else key
