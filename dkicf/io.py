@@ -2594,9 +2594,13 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
         try:
             yield url
         except BaseException:
-            with contextlib.suppress(Exception):
-                if fs.exists(path):
-                    fs.rm(path, recursive=True)
+            # Twice: a write task still running when the fit failed (the others'
+            # failure does not stop it) may re-create a file after the first removal.
+            for pause in (0.0, 0.5):
+                time.sleep(pause)
+                with contextlib.suppress(Exception):
+                    if fs.exists(path):
+                        fs.rm(path, recursive=True)
             raise
         return
     local = local.absolute()
