@@ -143,7 +143,10 @@ def fuzz(examples: int, seed: int) -> list[Family]:
                     text = str(exc)
                     lost = text.startswith(("data lost", "partial output"))
                     family.case(False, lost)
-                    failures.setdefault(text.splitlines()[0][:160], repr((args, kwargs))[:300])
+                    lines = [line for line in text.splitlines() if line.strip()] or ["?"]
+                    # A traceback's last line names the exception; other failures, the first.
+                    key = lines[-1] if text.startswith("not a clean error") else lines[0]
+                    failures.setdefault(key.strip()[:160], repr((args, kwargs))[:300])
                 else:
                     refused = [s for kind, s in times if kind == "refused"]
                     family.case(True, error_s=max(refused) if refused else None)
@@ -182,6 +185,7 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
         expected = _model(reference)
         stages = ["loading", "icf", "kmeans", "write"]
         delivered = dict.fromkeys(stages, 0)
+        restarts = 0
         for run in range(kills):
             stage = stages[run % len(stages)]
             out = tmp / f"chaos-{run}.zarr"
@@ -196,7 +200,8 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
                 if stage == "kmeans" and rank is None and getattr(p, "step", 0) >= at["kmeans"]:
                     trigger.set()
 
-            def killer(stage=stage, out=out, trigger=trigger, done=done, killed=killed):
+            def killer(stage=stage, out=out, trigger=trigger, done=done, killed=killed,
+                       client=client):
                 if stage == "loading":
                     time.sleep(rng.uniform(0.0, 0.5))
                 elif stage == "write":
@@ -230,9 +235,17 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
             trigger.set()
             thread.join(60)
             delivered[stage] += len(killed)
-            client.wait_for_workers(3, timeout=120)
+            try:
+                client.wait_for_workers(3, timeout=300)
+            except Exception:  # noqa: BLE001 - a worker that does not come back is replaced
+                restarts += 1
+                cluster = client.cluster
+                client.close()
+                cluster.close()
+                client = local_cluster(3, 1, memory_limit="1GiB")
         family.notes = (f"{kills} fits, {sum(delivered.values())} workers SIGKILLed ("
-                        + ", ".join(f"{k} {v}" for k, v in delivered.items()) + ")")
+                        + ", ".join(f"{k} {v}" for k, v in delivered.items())
+                        + f"); clusters replaced after a worker did not come back: {restarts}")
     finally:
         cluster = client.cluster
         client.close()

@@ -36,7 +36,7 @@ else:
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                         HealthCheck.filter_too_much])
     # The suite's run: short, and the same cases every time.
-    settings.register_profile("default", max_examples=50, derandomize=True, **_FUZZ)
+    settings.register_profile("default", max_examples=30, derandomize=True, **_FUZZ)
     # The campaign's (--hypothesis-profile=long, benchmarks/bench_campaign.py).
     settings.register_profile("long", max_examples=2000, **_FUZZ)
     settings.load_profile("default")
