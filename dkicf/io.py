@@ -523,6 +523,8 @@ def check_store_safe(arr: zarr.Array, *, name: str | None = None) -> None:
         raise DkicfIOError(f"refusing {where}: {exc}") from exc
 
 
+# The largest length of a dimension or chunk: beyond it numpy and dask overflow.
+_MAX_LENGTH = 2**62
 # What a task graph costs the driver per chunk of an array, at least: measured
 # for da.from_zarr(...).sum() (about 2.8 KB a chunk); a fit's graphs cost more.
 _GRAPH_BYTES_PER_CHUNK = 2048
@@ -607,11 +609,14 @@ def _check_extent(arr: zarr.Array, url: str, *, every_chunk: bool) -> None:
     import psutil
 
     grid = getattr(arr, "shards", None) or arr.chunks
-    if len(grid) != len(arr.shape) or not all(isinstance(c, int) and c >= 1 for c in grid):
+    if len(grid) != len(arr.shape) or not all(
+        isinstance(c, int) and 1 <= c <= _MAX_LENGTH for c in grid
+    ) or not all(isinstance(s, int) and 0 <= s <= _MAX_LENGTH for s in arr.shape):
         raise DkicfIOError(
             f"refusing {url}: its metadata declares chunks {tuple(grid)} for shape "
-            f"{tuple(arr.shape)}; chunks need one positive length per dimension. The "
-            "metadata is damaged: restore the store or convert the data again."
+            f"{tuple(arr.shape)}; chunks need one positive length per dimension, and "
+            f"no length may pass {_MAX_LENGTH}. The metadata is damaged: restore the store "
+            "or convert the data again."
         )
     counts = [-(-s // c) for s, c in zip(arr.shape, grid)]
     n_objects = math.prod(counts)
@@ -694,7 +699,7 @@ def _open_checked(
                 mode="r",
                 zarr_format=node.zarr_format,
             )
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, OverflowError, NotImplementedError) as exc:
             raise DkicfIOError(f"cannot open the Zarr array at {url}: {exc}") from exc
     check_store_safe(arr, name=url)
     if ndim is not None and arr.ndim != ndim:
@@ -784,6 +789,9 @@ def _from_zarr(arr: zarr.Array, url: str, chunks):
     import dask.array as da
     from dask.base import tokenize
 
+    # A chunk longer than its dimension (zarr allows it) is read as the whole dimension.
+    chunks = tuple(c if isinstance(c, tuple) else max(1, min(c, n))
+                   for c, n in zip(chunks, arr.shape))
     reads = _Reads(arr, url)
     return da.from_array(reads, chunks=chunks, name=f"from-zarr-{tokenize(reads, chunks)}",
                          meta=np.empty((0,) * arr.ndim, dtype=arr.dtype), asarray=True)

@@ -478,7 +478,9 @@ def test_fuzz_dataset_stores(mutations):
             assert not any(m[0] in ("symlink_out", "symlink_store", "delete_chunk")
                            for m in mutations), "a damaged store was read"
             rows, cols = X.shape
-            if cols == _COLS_ and X.dtype == np.float64:
+            # Other codecs or a fill value may read the same bytes as other numbers.
+            recoded = any(m[0] in ("codecs", "sharded", "fill_value") for m in mutations)
+            if cols == _COLS_ and X.dtype == np.float64 and not recoded:
                 np.testing.assert_array_equal(X, _STORE_X[:rows])
 
 

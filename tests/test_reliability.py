@@ -742,3 +742,19 @@ def test_only_this_fits_own_writes_are_reported_as_refused_writes(tmp_path):
                                            r"about 0\.00\d+ MiB in all, [0-9.e+]+ MiB free now"):
         with _write_errors(data, out, None, {"rank": 4}, True, None):
             raise OSError(errno.ENOSPC, "No space left on device", staged)
+
+
+def test_lengths_past_int64_and_fill_values_out_of_range_are_refused(tmp_path):
+    io.generate("ring", tmp_path / "d.zarr", 40, chunk_rows=10)
+    meta = tmp_path / "d.zarr" / "X" / "zarr.json"
+    original = json.loads(meta.read_text())
+    edited = json.loads(meta.read_text())
+    edited["chunk_grid"]["configuration"]["chunk_shape"] = [2**64, 2]
+    meta.write_text(json.dumps(edited))
+    with pytest.raises(DkicfIOError, match=r"declares chunks \(18446744073709551616, 2\).*no "
+                                           r"length may pass"):
+        io.open_dataset(tmp_path / "d.zarr")
+    edited = dict(original, data_type="int64", fill_value=1e308)
+    meta.write_text(json.dumps(edited))
+    with pytest.raises(DkicfIOError, match="cannot open the Zarr array at .*d.zarr/X"):
+        io.open_dataset(tmp_path / "d.zarr")
