@@ -509,8 +509,10 @@ def main(argv=None) -> None:
             traceback.print_exc()
             results = [Family(f"{key} (did not run)", notes="see the traceback above")]
         for family in results:
-            print(f"# {family.name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr,
-                  flush=True)
+            # Each row as soon as it is known: a campaign cut short keeps what it measured.
+            print(f"# {family.name}: {time.perf_counter() - t0:.0f} s; tried {family.tried}, "
+                  f"held {family.held}, lost {family.lost}, longest error "
+                  f"{family.longest_error_s:.2f} s; {family.notes}", file=sys.stderr, flush=True)
         families += results
     header = ("family", "cases tried", "held", "data lost", "longest time to a clean error")
     rows = [(f.name, str(f.tried), str(f.held), str(f.lost),
