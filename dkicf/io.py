@@ -1398,6 +1398,12 @@ class _LabelCoder:
 
     def add(self, values: np.ndarray) -> None:
         values = np.asarray(values)
+        if values.ndim != 1 or (values.dtype.kind == "O" and any(
+                isinstance(v, (list, tuple, dict, np.ndarray)) for v in values)):
+            raise DkicfIOError(
+                f"{self.src}: the label column holds lists or records, not one label per row: "
+                "name a column of numbers or strings as the label column."
+            )
         if values.dtype.kind == "f" and np.isnan(values).any():
             raise DkicfIOError(f"{self.src}: the labels contain NaN (missing values).")
         self.seen.update(np.unique(values).tolist())
@@ -1899,6 +1905,11 @@ def _svmlight_source(path: Path, src: str, label_column, block_rows: int) -> _So
                                            dtype=np.float64)
             except ValueError as exc:
                 raise DkicfIOError(f"{src}, {_svmlight_problem(path, src) or exc}") from None
+            except OverflowError:  # scikit-learn's parser keeps indices in int32
+                raise DkicfIOError(
+                    f"{src} has a feature index beyond {np.iinfo(np.int32).max:,}, more "
+                    "columns than a dataset can hold: check the file, or renumber its features."
+                ) from None
             if Xs.shape[0]:
                 yield Xs, y
 

@@ -845,3 +845,22 @@ def test_convert_a_directory_of_parquet_files(tmp_path):
     assert info["format"] == "parquet" and info["n_samples"] == 12
     np.testing.assert_array_equal(X, np.vstack(frames))
     np.testing.assert_array_equal(y, [0] * 7 + [1] * 5)
+
+
+def test_svmlight_index_beyond_int32_is_refused_by_name(tmp_path):
+    src = tmp_path / "wide.svm"
+    src.write_text("1 1:0.5 3000000000:1.0\n0 2:1\n")
+    with pytest.raises(DkicfIOError, match=r"wide\.svm has a feature index beyond "
+                       r"2,147,483,647"):
+        io.convert(str(src), str(tmp_path / "out.zarr"))
+    assert not (tmp_path / "out.zarr").exists()
+
+
+def test_parquet_label_column_of_lists_is_refused_by_name(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    src = tmp_path / "lists.parquet"
+    pq.write_table(pa.table({"a": [1.0, 2.0, 3.0], "lab": [[1], [2, 3], []]}), src)
+    with pytest.raises(DkicfIOError, match="the label column holds lists or records"):
+        io.convert(str(src), str(tmp_path / "out.zarr"), label_column="lab")
+    assert not (tmp_path / "out.zarr").exists()
