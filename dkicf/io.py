@@ -1196,7 +1196,9 @@ def write_group(
         group = zarr.open_group(store=store, mode="w", zarr_format=3)
         for name, value in checked.items():
             chunks = tuple(max(1, s) for s in value.shape)
-            arr = group.create_array(name, shape=value.shape, chunks=chunks, dtype=value.dtype)
+            # Every chunk written, zeros too: dkicf refuses stores with chunks missing.
+            arr = group.create_array(name, shape=value.shape, chunks=chunks, dtype=value.dtype,
+                                     config={"write_empty_chunks": True})
             if value.size:
                 arr[...] = value
         group.attrs.update(meta)
@@ -2665,7 +2667,7 @@ def write_members(
             raise DkicfIOError(f"cannot write {group_url}: {exc}") from exc
         chunks = tuple(max(1, s) for s in value.shape)
         arr = group.create_array(name, shape=value.shape, chunks=chunks, dtype=value.dtype,
-                                 overwrite=True)
+                                 overwrite=True, config={"write_empty_chunks": True})
         if value.size:
             arr[...] = value
     group.attrs.update(meta)
@@ -2693,7 +2695,7 @@ def write_dask(group_url, name: str, darr, *, storage_options: dict | None = Non
              else _store(group_url, storage_options, read_only=False))
     group = zarr.open_group(store=store, mode="a")
     arr = group.create_array(name, shape=darr.shape, chunks=chunks, dtype=darr.dtype,
-                             overwrite=True)
+                             overwrite=True, config={"write_empty_chunks": True})
     if darr.size:
         try:
             da.store(darr, arr, lock=False)

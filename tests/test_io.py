@@ -864,3 +864,11 @@ def test_parquet_label_column_of_lists_is_refused_by_name(tmp_path):
     with pytest.raises(DkicfIOError, match="the label column holds lists or records"):
         io.convert(str(src), str(tmp_path / "out.zarr"), label_column="lab")
     assert not (tmp_path / "out.zarr").exists()
+
+
+def test_a_group_of_zeros_written_by_dkicf_reads_back(tmp_path):
+    """Zarr leaves out chunks equal to the fill value by default; dkicf writes them all."""
+    io.write_group(str(tmp_path / "z.zarr"), {"X": np.zeros((50, 2))}, {})
+    X, y, _ = io.open_dataset(str(tmp_path / "z.zarr"))
+    assert X.shape == (50, 2) and y is None
+    assert not np.asarray(X.compute()).any()

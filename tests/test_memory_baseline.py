@@ -5,6 +5,7 @@ planned as if that memory were free filled its workers past their limit,
 and the restarted workers then left tasks waiting for ever.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -46,7 +47,10 @@ def own_cluster():
     yield client
     cluster = client.cluster
     client.close()
-    cluster.close()
+    # Workers the tests killed may still be restarting: distributed's close can then
+    # look up a worker that is already gone (KeyError in _watch_worker_status).
+    with contextlib.suppress(KeyError):
+        cluster.close()
 
 
 def test_the_workers_own_memory_is_measured_on_them(client):
