@@ -963,16 +963,44 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if not args.debug:
-        # Quiet the cluster's own INFO logs, in this process and in the workers it starts.
-        import os
+    with _quiet_cluster_logs(not args.debug):
+        return _main(args)
 
-        level = os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+
+@contextlib.contextmanager
+def _quiet_cluster_logs(quiet: bool):
+    """Quiet the cluster's own INFO logs, in this process and in the workers it starts.
+
+    For the command's duration only: ``main`` called from Python (or a test)
+    leaves the environment, dask's configuration and the log levels as it
+    found them.
+    """
+    import os
+
+    name = "DASK_LOGGING__DISTRIBUTED"
+    before = os.environ.get(name)
+    log = logging.getLogger("distributed")
+    level_before = log.level
+    config = contextlib.nullcontext()
+    if quiet:
+        level = os.environ.setdefault(name, "warning")
         if "dask.config" in sys.modules:  # read the environment already (the parser's defaults)
             import dask.config
 
-            dask.config.set({"logging.distributed": level})
-        logging.getLogger("distributed").setLevel(level.upper())
+            config = dask.config.set({"logging.distributed": level})
+        log.setLevel(level.upper())
+    try:
+        with config:
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+        log.setLevel(level_before)
+
+
+def _main(args) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -51,3 +51,18 @@ def test_rows_bar_rate_counts_from_its_creation(capsys):
     assert rate is not None, line
     value = float(rate.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[rate.group(2)]
     assert value <= 4000.0, line
+
+
+def test_main_in_process_leaves_the_environment_and_log_levels_as_it_found_them(tmp_path):
+    """Quieting the cluster's logs is for the command only: processes started later (a
+    test's stand-in batch jobs, a user's own cluster) still log as configured."""
+    import logging
+    import os
+
+    from dkicf.cli import main
+
+    os.environ.pop("DASK_LOGGING__DISTRIBUTED", None)
+    level = logging.getLogger("distributed").level
+    assert main(["info", str(tmp_path / "absent.zarr")]) == 1
+    assert "DASK_LOGGING__DISTRIBUTED" not in os.environ
+    assert logging.getLogger("distributed").level == level
