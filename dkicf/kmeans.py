@@ -179,16 +179,17 @@ def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
     )
 
 
-def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray):
+def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None):
     """Nearest centre of each row (ties to the lowest index) and the squared distance to it.
 
     ``||x||^2 - 2 x.c + ||c||^2`` in float64, clamped at 0 (rounding can make a
-    point at a centre slightly negative).
+    point at a centre slightly negative).  ``x_sq``: the rows' ``||x||^2``, when
+    the caller already has them.
     """
     d = x @ centers.T
     d *= -2.0
     d += c_sq
-    d += np.einsum("ij,ij->i", x, x)[:, None]
+    d += (np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq)[:, None]
     labels = np.argmin(d, axis=1).astype(np.int64, copy=False)
     d2 = d[np.arange(x.shape[0]), labels]
     np.maximum(d2, 0.0, out=d2)
@@ -283,8 +284,9 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
 
     ``states`` is None or the chunk's ``(d2, label)`` per run for its
     candidates so far; ``cands[r]`` are run ``r``'s new candidates (possibly
-    none), numbered from ``firsts[r]``.  The chunk is read once for all runs
-    (one matrix product against all new candidates).  A row moves to a new
+    none), numbered from ``firsts[r]``.  The chunk is read once for all runs,
+    with one matrix product per run (so that a run's distances do not depend
+    on which runs share the pass).  A row moves to a new
     candidate only if strictly nearer (ties to the lowest number, as an
     argmin over all of them).  Returns the new states and each run's sum of
     squared distances.
@@ -292,15 +294,16 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
     n = p.shape[0]
     if states is None:
         states = [(np.full(n, np.inf), np.zeros(n, dtype=np.int64)) for _ in cands]
-    new = [(d2.copy(), label.copy()) for d2, label in states]
+    # Only the runs with new candidates change: the others keep their arrays.
+    new = [(d2.copy(), label.copy()) if c.shape[0] else (d2, label)
+           for (d2, label), c in zip(states, cands)]
     c_sq = [np.einsum("ij,ij->i", c, c) for c in cands]
     for lo, hi, x in _row_blocks(p, offset, sum(c.shape[0] for c in cands), check):
-        # One product per run, not one over all runs' candidates: a run's
-        # distances then do not depend on which runs share the pass.
+        x_sq = np.einsum("ij,ij->i", x, x)
         for r, (d2, label) in enumerate(new):
             if cands[r].shape[0] == 0:
                 continue
-            near, dist = _nearest(x, cands[r], c_sq[r])
+            near, dist = _nearest(x, cands[r], c_sq[r], x_sq)
             better = dist < d2[lo:hi]
             d2[lo:hi][better] = dist[better]
             label[lo:hi][better] = near[better] + firsts[r]
