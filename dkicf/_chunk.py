@@ -32,6 +32,8 @@ import numpy as np
 from scipy.linalg.blas import dtrsm as _dtrsm
 from threadpoolctl import ThreadpoolController
 
+from ._candidates import _top_rows, chunk_block_stats, rows_reaching_top
+from ._memory import _STREAM_BYTES
 from .kernels import Kernel
 
 _FLOAT = np.float64
@@ -165,8 +167,6 @@ def _open_array(root: str, path: str, token: str, options: str):
     return zarr.open_array(store=root, path=path or None, mode="r+", **kw)
 
 
-# Bytes of flushed P columns a task reads from Zarr at once.
-_STREAM_BYTES = 32 << 20
 
 
 class ChunkState:
@@ -600,8 +600,6 @@ def chunk_top_rows(x: np.ndarray, state: ChunkState, count: int):
     The rows that :func:`~dkicf.pivoting.chunk_block_stats` sends for a
     request limited to ``count`` (the same ties to the lowest index).
     """
-    from .pivoting import _top_rows
-
     local = _top_rows(state.e, count) if state.e.shape[0] else np.empty(0, dtype=np.int64)
     return (local + state.offset, *chunk_rows(x, state, local))
 
@@ -656,19 +654,6 @@ def _scratch(slot: int, rows: int, cols: int) -> np.ndarray:
 
 # Largest stash of candidate rows a chunk state keeps (bytes).
 _STASH_BYTES = 32 << 20
-
-
-def rows_reaching_top(e: np.ndarray, m: int) -> np.ndarray:
-    """Increasing indices of the entries ``>=`` the ``m``-th largest of ``e``.
-
-    Every entry tied with the ``m``-th value is included, so a cut that
-    breaks ties by the lowest index can be made from these rows alone.
-    """
-    n = e.shape[0]
-    if m >= n:
-        return np.arange(n)
-    threshold = e[np.argpartition(-e, m - 1)[m - 1]]
-    return np.flatnonzero(e >= threshold)
 
 
 def _stash_top(state: ChunkState, x: np.ndarray, count: int) -> None:
@@ -821,8 +806,6 @@ def chunk_update(
     if report is not None:
         summary = new.cache
         if prefetch is not None:
-            from .pivoting import chunk_block_stats
-
             stats = chunk_block_stats(x, new, new.offset, *prefetch)
             summary = {**summary, **{f"block_stats.{k}": v for k, v in stats.items()}}
         report_summary(report, summary)

@@ -338,8 +338,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help=f"pivot rule of the factorization (default: {get('fit.pivoting')}, dask "
                         "config dkicf.fit.pivoting; block-greedy: the paper's greedy pivots, "
                         "several per pass over X)")
-    # The k-means names only: dkicf.kmeans imports numpy and scipy, but no cluster code.
-    from .kmeans import ALGORITHMS, INITS
+    # The k-means names only: a light module (numpy), no zarr and no cluster code.
+    from ._kmeans_config import ALGORITHMS, INITS
 
     p.add_argument("--algorithm", choices=list(ALGORITHMS), default="minibatch-lloyd",
                    help="k-means on the rows of P: mini-batch steps then Lloyd iterations "

@@ -14,9 +14,11 @@ from sklearn.base import (
 )
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from . import io
 from ._chunk import check_finite
+from ._factor import ICFResult, _transform_block
 from ._validation import check_array_2d, check_positive_int, is_dask_array
-from .icf import ICFResult, _transform_block, incomplete_cholesky
+from .icf import incomplete_cholesky
 from .kernels import KERNELS, Kernel, make_kernel
 from .kmeans import ALGORITHMS, INITS, assign, kmeans
 
@@ -460,8 +462,6 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         storage_options : dict, optional
             Passed to fsspec for remote URLs.
         """
-        from . import io
-
         path = io.absolute_location(path)
         arrays, attrs = _model_arrays_attrs(self)
         if getattr(self, "labels_", None) is not None:
@@ -602,8 +602,6 @@ def load(path, *, storage_options=None) -> KernelKMeans:
     KernelKMeans
         Fitted, predicting exactly as the saved model.
     """
-    from . import io
-
     path = io.absolute_location(path)
     arrays, attrs = io.read_group(path, storage_options=storage_options, names=_MODEL_ARRAYS)
     _check_saved_model(path, arrays, attrs)
@@ -646,10 +644,8 @@ def _check_saved_model(path: str, arrays: dict, attrs: dict) -> None:
     Models are input too: a damaged or tampered group must fail here, naming
     what is wrong, not deep inside a prediction (or, worse, predict labels).
     """
-    from .io import DkicfIOError
-
     def refuse(what: str):
-        raise DkicfIOError(
+        raise io.DkicfIOError(
             f"{path} is not a valid dkicf model: {what}. The model group is damaged or was "
             "changed: restore it, or fit and save the model again."
         )

@@ -23,16 +23,15 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
-from scipy.linalg import solve_triangular
 
 from . import _chunk
 from . import pivoting as _pivoting
 from ._backends import DaskBackend, NumpyBackend
+from ._factor import ICFProgress, ICFResult, cut_factor
 from ._validation import check_array_2d, is_dask_array
+from .checkpoint import open_storage
 from .errors import DegenerateKernelWarning, worker_failure, worker_failure_types
 from .kernels import Kernel, make_kernel
 
@@ -41,102 +40,6 @@ __all__ = ["ICFResult", "ICFProgress", "incomplete_cholesky"]
 logger = logging.getLogger(__name__)
 
 _EPS = np.finfo(np.float64).eps
-
-
-@dataclass
-class ICFProgress:
-    """What a progress callback receives after each pivot block.
-
-    Attributes
-    ----------
-    rank : int
-        Columns of P so far.
-    max_rank : int
-        The rank the factorization stops at, at the latest.
-    trace_error : float
-        ``tr(K - P P^T)`` now.
-    initial_trace : float
-        ``tr(K)``.
-    elapsed : float
-        Seconds since the factorization started.
-    n_passes : int
-        Passes over X so far.
-    """
-
-    rank: int
-    max_rank: int
-    trace_error: float
-    initial_trace: float
-    elapsed: float
-    n_passes: int
-
-
-@dataclass
-class ICFResult:
-    """The outcome of :func:`incomplete_cholesky`.
-
-    Attributes
-    ----------
-    pivots : ndarray of shape (r,)
-        Row indices of the selected points, in selection order.
-    P : ndarray or dask array of shape (n, r)
-        The factor, ``K ~ P P^T``.  A numpy array for numpy input, a dask array
-        chunked by rows like X for dask input (its chunks live on the workers).
-    trace_errors : ndarray of shape (r,)
-        ``tr(K - P P^T)`` after each iteration; never increases.
-    residual : ndarray or dask array of shape (n,)
-        The residual diagonal ``diag(K - P P^T)``.
-    L : ndarray of shape (r, r)
-        ``P[pivots]``: lower triangular, the Cholesky factor of ``K[B, B]``.
-    pivot_rows : ndarray of shape (r, d)
-        ``X[pivots]`` in float64: all that :meth:`transform` needs of X.
-    kernel : Kernel
-    initial_trace : float
-        ``tr(K)``.
-    stop_reason : {"max_rank", "tol", "numerical_rank"}
-        Why the loop stopped: the rank cap, the trace tolerance, or the
-        residual vanishing (the numerical rank of K was reached).
-    n_passes : int
-        Passes over X, counting the one that computes the diagonal.
-    elapsed : float
-        Wall-clock seconds of the factorization.
-    """
-
-    pivots: np.ndarray
-    P: Any
-    trace_errors: np.ndarray
-    residual: Any
-    L: np.ndarray
-    pivot_rows: np.ndarray
-    kernel: Kernel
-    initial_trace: float
-    stop_reason: str
-    n_passes: int
-    elapsed: float = 0.0
-    info: dict = field(default_factory=dict)
-
-    @property
-    def rank(self) -> int:
-        """Number of columns of P."""
-        return int(self.pivots.shape[0])
-
-    def transform(self, X) -> np.ndarray:
-        """Map points to the factor's feature space: ``p(x) = L^{-1} k(X_B, x)``.
-
-        On a training point this reproduces its row of P.
-        """
-        return _transform_block(as_float_2d(X), self.kernel, self.pivot_rows, self.L)
-
-
-def as_float_2d(X) -> np.ndarray:
-    return np.ascontiguousarray(X, dtype=np.float64)
-
-
-def _transform_block(x, kernel, pivot_rows, L, pivot_aux=None):
-    if L.shape[0] == 0:
-        return np.zeros((x.shape[0], 0))
-    Kb = kernel.block(pivot_rows, x, pivot_aux, kernel.prepare(x))
-    return solve_triangular(L, Kb, lower=True, check_finite=False).T
 
 
 # --------------------------------------------------------------------------- driver
@@ -325,8 +228,6 @@ def incomplete_cholesky(
     storage = None
     _check_p_storage(p_storage, p_store, checkpoint, dask_input)
     if p_store is not None or checkpoint is not None:
-        from .checkpoint import open_storage
-
         fit = {**kernel_obj.get_params(), "max_rank": max_rank, "tol": tol,
                "rank_tol": rank_tol, "random_state": random_state, "pivoting": rule}
         if rule != "greedy":  # they shape the blocks, hence the pivots
@@ -536,8 +437,6 @@ def _rows_per_task(backend, n: int) -> int:
     backend's thread share of rows.  A Zarr-backed chunk allocates a new
     tail for its whole chunk when the block does not fit in its free columns.
     """
-    from ._backends import NumpyBackend
-
     rows = NumpyBackend._BLOCK_ROWS
     chunks = getattr(backend, "chunks", None)
     if chunks and getattr(backend, "store", None) is not None:
@@ -792,32 +691,6 @@ def _block_state(max_diag, roundoff, key, draw, sizer, blocks) -> dict:
         "sizer": sizer.state(),
         "blocks": [[int(m), int(b), why] for m, b, why in blocks],
     }
-
-
-def cut_factor(P, residual, r: int):
-    """The factor cut to its first ``r`` columns, and the residual of the cut factor.
-
-    The squares of the dropped columns are added back column after column,
-    so numpy and dask arrays, in any memory order, give the same bits (a
-    finished checkpoint rebuilds the result this way from Zarr).
-    """
-    if P.shape[1] == r:
-        return P, residual
-    dropped = P[:, r:]
-    if is_dask_array(dropped):
-        squares = dropped.rechunk({1: -1}).map_blocks(
-            _squares_by_column, drop_axis=1, meta=np.empty(0, dtype=np.float64)
-        )
-    else:
-        squares = _squares_by_column(dropped)
-    return P[:, :r], residual + squares
-
-
-def _squares_by_column(A) -> np.ndarray:
-    out = A[:, 0] * A[:, 0]
-    for k in range(1, A.shape[1]):
-        out += A[:, k] * A[:, k]
-    return out
 
 
 def _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop, summary, start,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zarr
 
-import dkicf.checkpoint as ck
+import dkicf._memory as memory
 from dkicf import incomplete_cholesky
 from dkicf import pivoting as _pivoting
 from dkicf.errors import CheckpointMismatchError
@@ -48,7 +48,7 @@ def computed(res):
 
 @pytest.fixture
 def small_columns(monkeypatch):
-    monkeypatch.setattr(ck, "COLUMN_BLOCK", COLUMNS)
+    monkeypatch.setattr(memory, "COLUMN_BLOCK", COLUMNS)
 
 
 # ----------------------------------------------------------------------- P in Zarr
@@ -109,12 +109,13 @@ CRASH_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import numpy as np
-    import dkicf.checkpoint as ck
+    import dkicf._commit as ck
+    import dkicf._memory as memory
     from dkicf import incomplete_cholesky
 
     url, phase, at, kind, params, every, chunk, columns = sys.argv[1:]
     at, every, chunk, params = int(at), int(every), int(chunk), json.loads(params)
-    ck.COLUMN_BLOCK = int(columns)
+    memory.COLUMN_BLOCK = int(columns)
 
     def crash(name, iteration):
         if (name, iteration) == (phase, at):
@@ -183,7 +184,7 @@ def test_dask_crash_then_resume_is_bit_identical(client, tmp_path, rule, phase, 
     params = dict(PARAMS, pivoting=rule, p_storage=p_storage)
     X = da.from_array(make_X(), chunks=CHUNK)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ck, "COLUMN_BLOCK", COLUMNS)
+        mp.setattr(memory, "COLUMN_BLOCK", COLUMNS)
         ref = computed(incomplete_cholesky(X, client=client, checkpoint=str(tmp_path / "ref"),
                                            checkpoint_every=EVERY, **params))
     url = tmp_path / "ck.zarr"

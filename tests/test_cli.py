@@ -266,7 +266,7 @@ def test_the_plan_never_holds_what_the_fit_would_refuse():
     start: P and its vectors below dask's spill threshold, as configured."""
     import dask
 
-    from dkicf._backends import check_worker_memory
+    from dkicf._memory import check_worker_memory
     from dkicf.pipeline import plan_fit
 
     class Cluster:  # what check_worker_memory asks of a client

@@ -58,7 +58,7 @@ CRASH_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import numpy as np
-    import dkicf.checkpoint as ck
+    import dkicf._commit as ck
     from dkicf import incomplete_cholesky
 
     url, phase, at, kind, params, every, chunk, p_storage = sys.argv[1:]
@@ -159,7 +159,7 @@ def test_a_checkpoint_keeps_p_in_worker_memory_when_it_fits(client, tmp_path, pi
 
 
 def test_a_checkpoint_holds_p_when_worker_memory_cannot(client, tmp_path, monkeypatch):
-    from dkicf import _backends
+    from dkicf import _backends, checkpoint
 
     original = _backends.check_worker_memory
 
@@ -169,6 +169,7 @@ def test_a_checkpoint_holds_p_when_worker_memory_cannot(client, tmp_path, monkey
         return original(client, chunks, d, dtype, capacity, store, persist, **kw)
 
     monkeypatch.setattr(_backends, "check_worker_memory", no_room_for_p)
+    monkeypatch.setattr(checkpoint, "check_worker_memory", no_room_for_p)
     X = da.from_array(make_X(), chunks=CHUNK)
     url = str(tmp_path / "ck.zarr")
     res = computed(incomplete_cholesky(X, client=client, checkpoint=url, checkpoint_every=EVERY,
@@ -468,8 +469,10 @@ def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resume
 ):
     km = importlib.import_module("dkicf.kmeans")  # the module, not the function
     client, marker = nanny_client
-    monkeypatch.setattr(km, "_in_task", killer_in_task)
-    monkeypatch.setattr(km, "_PREFETCH_ROWS", 4 * 32)
+    monkeypatch.setattr(importlib.import_module("dkicf._kmeans_tasks"), "_in_task",
+                        killer_in_task)
+    monkeypatch.setattr(importlib.import_module("dkicf._kmeans_runs"), "_PREFETCH_ROWS",
+                        4 * 32)
     # One chunk: one task per request, so once it has killed both workers no
     # other armed task is left to kill the workers of the resumed fit.
     P = da.from_array(np.random.default_rng(2).normal(size=(600, 4)), chunks=600)
@@ -504,9 +507,9 @@ def test_cli_fit_with_a_kmeans_task_killing_its_workers_fails_in_one_line(
 ):
     from dkicf import cli, io
 
-    km = importlib.import_module("dkicf.kmeans")
+    tasks = importlib.import_module("dkicf._kmeans_tasks")
     client, marker = nanny_client
-    monkeypatch.setattr(km, "_in_task", killer_in_task)
+    monkeypatch.setattr(tasks, "_in_task", killer_in_task)
     monkeypatch.chdir(tmp_path)
     io.generate("blobs", "data.zarr", 1000, chunk_rows=1000, centers=2)  # one task per pass
     marker.write_text("_chunk_lloyd")
@@ -624,7 +627,7 @@ def test_a_sensible_kernel_does_not_warn(tol):
 
 
 def test_state_checkpoint_survives_a_crash_between_write_and_commit(tmp_path, monkeypatch):
-    from dkicf import checkpoint as ck
+    from dkicf import _commit as ck
 
     url = str(tmp_path / "km")
     rng = np.random.default_rng(11)
@@ -664,8 +667,9 @@ def armed(client, marker, task: str):
 
 def test_assign_task_killing_its_workers_fails_clearly(nanny_client, monkeypatch):
     km = importlib.import_module("dkicf.kmeans")
+    tasks = importlib.import_module("dkicf._kmeans_tasks")
     client, marker = nanny_client
-    monkeypatch.setattr(km, "_in_task", killer_in_task)
+    monkeypatch.setattr(tasks, "_in_task", killer_in_task)
     P = da.from_array(np.random.default_rng(2).normal(size=(600, 4)), chunks=600)
     centers = np.zeros((2, 4))
     with armed(client, marker, "_chunk_assign"), pytest.raises(

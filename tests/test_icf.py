@@ -436,7 +436,7 @@ def test_states_must_fit_below_dask_spilling_threshold(client):
     pauses the worker is refused before any work, naming the threshold."""
     import dask
 
-    from dkicf._backends import check_worker_memory, usable_memory_fraction
+    from dkicf._memory import check_worker_memory, usable_memory_fraction
 
     assert usable_memory_fraction() == 0.6  # dask's default target
     # 900,000 rows x 180 columns: 1.37 GB of a 2 GiB worker (64%).

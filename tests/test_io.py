@@ -739,7 +739,7 @@ def test_a_late_write_does_not_bring_back_an_abandoned_staging_folder(tmp_path):
 def test_info_on_a_checkpoint_says_how_far_the_fit_got(tmp_path, monkeypatch):
     """`dkicf info` on a fit's checkpoint: the factorization's commit, where P lives,
     k-means, and how to resume."""
-    import dkicf.checkpoint as ck
+    import dkicf._commit as ck
     from dkicf import incomplete_cholesky
     from dkicf.kmeans import kmeans
     from dkicf.pipeline import describe

@@ -330,7 +330,7 @@ def test_dask_nan_names_the_global_row(km_client):
 @pytest.mark.parametrize("k", [3, 5000])
 def test_cluster_sums_dense_and_sparse_equal_numpy(k):
     """Per-centre sums, through the dense product and (many clusters) the sparse one."""
-    from dkicf.kmeans import _BLOCK_ELEMENTS, _cluster_sums
+    from dkicf._kmeans_tasks import _BLOCK_ELEMENTS, _cluster_sums
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 4))

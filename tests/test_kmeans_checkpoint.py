@@ -11,7 +11,7 @@ import dask.array as da
 import numpy as np
 import pytest
 
-import dkicf.checkpoint as ck
+import dkicf._commit as ck
 from dkicf.errors import CheckpointMismatchError
 from dkicf.kmeans import kmeans
 
@@ -91,7 +91,7 @@ CRASH_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import numpy as np
-    import dkicf.checkpoint as ck
+    import dkicf._commit as ck
     from dkicf.kmeans import kmeans
 
     url, kind, address, where, restart, at, params = sys.argv[1:]

@@ -16,7 +16,7 @@ import dask.array as da
 import numpy as np
 import pytest
 
-from dkicf import _backends, _chunk, incomplete_cholesky
+from dkicf import _backends, _chunk, _memory, incomplete_cholesky
 from dkicf.errors import WorkerFailureError
 from dkicf.pipeline import plan_fit
 
@@ -56,8 +56,8 @@ def own_cluster():
 def test_the_workers_own_memory_is_measured_on_them(client):
     import psutil
 
-    _backends._BASELINES.clear()
-    measured = _backends.worker_baseline(client)
+    _memory._BASELINES.clear()
+    measured = _memory.worker_baseline(client)
 
     def unmanaged(dask_worker):
         return psutil.Process().memory_info().rss - dask_worker.state.nbytes
@@ -67,18 +67,18 @@ def test_the_workers_own_memory_is_measured_on_them(client):
     assert 40 * MiB < measured < 2**30
     assert abs(measured - reference) < 32 * MiB, (measured, reference)
     # Without remote functions: the unmanaged memory the workers reported.
-    assert _backends.worker_baseline(FakeClient(2, 2**30, own=123 * MiB)) == 123 * MiB
-    assert _backends.worker_baseline(FakeClient(2, 2**30)) == 0
+    assert _memory.worker_baseline(FakeClient(2, 2**30, own=123 * MiB)) == 123 * MiB
+    assert _memory.worker_baseline(FakeClient(2, 2**30)) == 0
 
 
 def test_the_workers_own_thresholds_apply_unless_set_here(client):
     import dask
 
-    _backends._BASELINES.clear()
-    assert _backends.worker_memory_fraction(client) == 0.6  # the workers' defaults
+    _memory._BASELINES.clear()
+    assert _memory.worker_memory_fraction(client) == 0.6  # the workers' defaults
     with dask.config.set({"distributed.worker.memory.target": False,
                           "distributed.worker.memory.spill": 0.85}):
-        assert _backends.worker_memory_fraction(client) == 0.8  # set here: pause at 80%
+        assert _memory.worker_memory_fraction(client) == 0.8  # set here: pause at 80%
 
 
 def test_a_fit_that_cannot_fit_is_refused_by_the_plan_naming_the_limit_needed():
@@ -108,7 +108,7 @@ def test_a_fit_that_cannot_fit_is_refused_by_the_plan_naming_the_limit_needed():
 def test_the_plan_never_decides_what_the_fit_refuses(own):
     """Whatever the plan decides (P in memory or its Zarr width, X held, chunk rows),
     the fit's own checks accept, with the workers' own memory counted by both."""
-    from dkicf.checkpoint import COLUMN_BLOCK
+    from dkicf._memory import COLUMN_BLOCK
 
     planned = set()
     for limit in (300 * MiB, 512 * MiB, 2**30, 4 * 2**30):
@@ -127,10 +127,10 @@ def test_the_plan_never_decides_what_the_fit_refuses(own):
                 dtype = np.float64 if itemsize == 8 else np.float32
                 spec = None
                 if plan.p_storage == "zarr":
-                    cb = _backends.store_columns(client, n, plan.rank, COLUMN_BLOCK)
+                    cb = _memory.store_columns(client, n, plan.rank, COLUMN_BLOCK)
                     assert cb == plan.p_columns
                     spec = _chunk.StoreSpec("", "P", "t", cb)
-                _backends.check_worker_memory(client, chunks, d, dtype, plan.rank, spec,
+                _memory.check_worker_memory(client, chunks, d, dtype, plan.rank, spec,
                                               plan.persist_x, hold_x=plan.persist_x)
     assert {"memory", "zarr"} <= planned
     assert ("refused" in planned) == bool(own)
@@ -138,13 +138,13 @@ def test_the_plan_never_decides_what_the_fit_refuses(own):
 
 def test_the_fit_counts_the_workers_own_memory():
     args = ((250_000,) * 4, 2, np.float64, 100, None, False)
-    _backends.check_worker_memory(FakeClient(2, 2**30, own=0), *args)
+    _memory.check_worker_memory(FakeClient(2, 2**30, own=0), *args)
     # Each chunk would fit a worker, not the rows of two.
     with pytest.raises(ValueError, match=r"P \(1000000 x 100 float64\).*own 0.29 GiB each.*"
                                          r"p_store="):
-        _backends.check_worker_memory(FakeClient(2, 2**30, own=300 * MiB), *args)
+        _memory.check_worker_memory(FakeClient(2, 2**30, own=300 * MiB), *args)
     with pytest.raises(ValueError, match=r"use about 0.63 GiB each before holding any data"):
-        _backends.check_worker_memory(FakeClient(2, 2**30, own=650 * MiB), *args)
+        _memory.check_worker_memory(FakeClient(2, 2**30, own=650 * MiB), *args)
 
 
 def test_a_zarr_backed_update_stays_within_its_estimate(tmp_path):
@@ -193,8 +193,8 @@ def test_a_zarr_backed_update_stays_within_its_estimate(tmp_path):
     assert state.flushed > 0
     # The task's buffers, the second tail that held_bytes counts (the new state's,
     # while the old one is alive) and the block's columns (budgeted by task_budget).
-    estimate = _backends.task_transient(
-        rows, 2, 8, cb, _backends.stream_bytes(rows, rank + b, 8192)) + rows * 8 * (cb + b)
+    estimate = _memory.task_transient(
+        rows, 2, 8, cb, _memory.stream_bytes(rows, rank + b, 8192)) + rows * 8 * (cb + b)
     assert worst <= estimate, (worst / MiB, estimate / MiB)
     # Reading the flushed columns back is most of it: the estimate is not vacuous.
     assert stream_seen > 0.5 * _chunk._STREAM_BYTES

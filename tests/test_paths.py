@@ -22,7 +22,7 @@ import zarr
 from test_deploy import START_TIMEOUT, _Processes, _start_dask, _wait_for_workers
 
 from dkicf import KernelKMeans, cli, incomplete_cholesky, io
-from dkicf.checkpoint import _location
+from dkicf._commit import _location
 from dkicf.deploy import connect
 from dkicf.estimator import load
 from dkicf.io import MissingChunkError, absolute_location

@@ -9,7 +9,7 @@ import zarr
 from dask.sizeof import sizeof
 
 from dkicf import _chunk, incomplete_cholesky
-from dkicf.checkpoint import p_rows_for
+from dkicf._memory import p_rows_for
 from dkicf.kernels import GaussianKernel
 
 
@@ -157,7 +157,7 @@ class _FakeClient:
 
 def test_zarr_column_block_follows_cluster_memory():
     """The tails of P, the vectors and a task's buffers fit what a worker may fill."""
-    from dkicf._backends import store_columns, usable_memory_fraction
+    from dkicf._memory import store_columns, usable_memory_fraction
 
     assert usable_memory_fraction() == 0.6  # distributed's default spill target
     two = _FakeClient([{"nthreads": 1, "memory_limit": 400_000_000}] * 2)
@@ -181,11 +181,11 @@ def test_zarr_column_block_follows_cluster_memory():
 
 def test_zarr_column_block_is_recorded_in_the_array(client, X, tmp_path, monkeypatch):
     """The fit writes P with the width chosen from memory, and still equals the reference."""
-    from dkicf import _backends
+    from dkicf import _memory
 
     # Room for 7.5 columns of 900 rows and the four vectors on the 2 x 2 GiB cluster.
     room = (7.5 * 8 + 32) * 900
-    monkeypatch.setattr(_backends, "_STORE_HOLD_FRACTION", room / (2 * 2 * 2**30))
+    monkeypatch.setattr(_memory, "_STORE_HOLD_FRACTION", room / (2 * 2 * 2**30))
     url = str(tmp_path / "P.zarr")
     res = incomplete_cholesky(da.from_array(X, chunks=300), gamma=0.6, max_rank=40, tol=0,
                               client=client, p_store=url)

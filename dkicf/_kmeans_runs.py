@@ -1,0 +1,665 @@
+"""The k-means' driver: initialisation, mini-batch and Lloyd phases, restarts, checkpoints.
+
+Every random choice is made here, on the driver, and addresses rows by
+global index; the backends of :mod:`dkicf._kmeans_tasks` only read P.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._chunk import chunk_digest
+from ._commit import StateCheckpoint
+from ._kmeans_config import KMeansProgress, KMeansResult, _Config
+from ._kmeans_tasks import _check_finite, _cluster_sums, _full_pass, _nearest
+from .errors import worker_failure
+
+logger = logging.getLogger("dkicf.kmeans")
+
+# Mini-batch: a centre whose count is below this fraction of the largest count
+# is starved (it sits where almost no data is) and is re-seeded.
+_REASSIGNMENT_RATIO = 1e-3
+
+
+# Mini-batch prefetch: rows of as many future steps as fit in this budget.
+_PREFETCH_ROWS = 65536
+
+
+_PREFETCH_BYTES = 64 << 20
+
+
+# Restarts whose inertias differ by less than this (relative) are a tie, won by
+# the earlier one: rounding differences between chunkings never pick the run.
+_TIE_RTOL = 1e-12
+
+
+# Default steps between checkpoint commits: a commit costs a few small writes,
+# about what a mini-batch step costs; a Lloyd iteration is a pass over P.
+_CHECKPOINT_EVERY = {"minibatch": 100, "lloyd": 5}
+
+
+# k-means||: rounds of oversampling, and candidates drawn per round per cluster.
+_PARALLEL_ROUNDS = 5
+
+
+_PARALLEL_OVERSAMPLING = 2
+
+
+@dataclass
+class _Position:
+    """Where the fit is, for the error that reports a task killing its workers.
+
+    The drivers update it before each request to the workers: ``phase`` is
+    ``"fingerprint"`` (of P, for the checkpoint), ``"init"``, ``"minibatch"``,
+    ``"lloyd"``, ``"assign"`` (a run's full pass) or ``"labels"`` (the best
+    run's labels after a resume); ``fetch`` is the range of mini-batch steps
+    whose rows are being fetched.
+    """
+
+    n_init: int
+    phase: str = "fingerprint"
+    restart: int = 0
+    step: int = 0
+    fetch: tuple[int, int] | None = None
+
+    def at(self, phase: str, step: int = 0, fetch: tuple[int, int] | None = None) -> None:
+        self.phase, self.step, self.fetch = phase, step, fetch
+
+    def __str__(self) -> str:
+        run = f"run {self.restart + 1}/{self.n_init}"
+        if self.phase == "fingerprint":
+            return "the fingerprint of P for the checkpoint, before the first run"
+        if self.phase == "labels":
+            return f"the assignment pass for the labels of the best run ({run})"
+        if self.phase == "init":
+            return f"{run}, initialisation"
+        if self.phase == "assign":
+            return f"{run}, final assignment pass"
+        if self.phase == "lloyd":
+            return f"{run}, Lloyd iteration {self.step}"
+        where = f"{run}, mini-batch step {self.step}"
+        if self.fetch is not None:
+            lo, hi = self.fetch
+            steps = f"steps {lo}-{hi}" if hi > lo else f"step {lo}"
+            where += f" (fetching the rows of {steps})"
+        return where
+
+
+def _initial_centers(backend, cfg: _Config, rng: np.random.Generator, candidates):
+    """Initial centres, and the mean feature variance of a seeded sample of rows.
+
+    The sample is drawn by global row index, so it is the same rows whatever
+    the chunking; only those rows are fetched.  k-means++ runs on it;
+    k-means|| reclusters the run's weighted ``candidates()`` and uses the
+    sample only for the variance, which scales ``tol``.
+    """
+    from sklearn.cluster import KMeans, kmeans_plusplus
+
+    index = np.sort(rng.choice(backend.n, size=cfg.init_size, replace=False))
+    sample = backend.rows(index)
+    _check_finite(sample, index)
+    variance = float(np.mean(np.var(sample, axis=0)))
+    if not isinstance(cfg.init, str):
+        return cfg.init.copy(), variance
+    seed = int(rng.integers(2**31 - 1))
+    if cfg.init == "k-means++":
+        centers, _ = kmeans_plusplus(sample, cfg.n_clusters, random_state=seed)
+        return np.asarray(centers, dtype=np.float64), variance
+    cands, weights = candidates()
+    # One weighted k-means++ start and Lloyd on the candidates: more starts
+    # there find the candidates' own optimum, which every run then shares
+    # (on the rings, the wrong basin); the runs' diversity matters more.
+    centers, _ = kmeans_plusplus(cands, cfg.n_clusters, sample_weight=weights,
+                                 random_state=seed)
+    centers = KMeans(cfg.n_clusters, init=centers, n_init=1, random_state=seed).fit(
+        cands, sample_weight=weights).cluster_centers_
+    return np.asarray(centers, dtype=np.float64), variance
+
+
+def _oversample(backend, k: int, seeds: list, pos: _Position) -> list:
+    """The candidates of k-means|| (Bahmani et al. 2012) and their weights, for several runs.
+
+    For each run, with a generator from its own seed (and another for the
+    rare fill-in below): one row drawn uniformly starts the
+    candidates; each of ``_PARALLEL_ROUNDS`` rounds draws every row
+    independently with probability ``min(1, l d2 / phi)`` (``l = 2k``,
+    ``d2`` its squared distance to the run's nearest candidate, ``phi``
+    their sum) and adds the drawn rows.  A candidate's weight is the number
+    of rows nearest to it.  The runs share the passes: one pass over P per
+    round updates every run's distances, which stay on the workers.  Draws
+    hash the global row index, so the candidates depend neither on the
+    chunking nor on which runs share the passes.
+    """
+    ell = float(_PARALLEL_OVERSAMPLING * k)
+    rngs = [np.random.default_rng(ss) for ss, _ in seeds]
+    pos.at("init", 0)
+    first = backend.rows(np.array([rng.integers(backend.n) for rng in rngs]))
+    cands = [first[r:r + 1] for r in range(len(rngs))]
+    state, phis = backend.nearest_update(None, cands, [0] * len(rngs))
+    for rnd in range(1, _PARALLEL_ROUNDS + 1):
+        phi = [math.fsum(part[r] for part in phis) for r in range(len(rngs))]
+        keys = [int(rng.integers(np.iinfo(np.int64).max)) for rng in rngs]
+        live = [v if v > 0 else 0.0 for v in phi]
+        if not any(live):
+            break
+        pos.at("init", rnd)
+        drawn = backend.oversample(state, live, ell, keys)
+        if not any(rows.shape[0] for rows in drawn):
+            continue
+        state, phis = backend.nearest_update(state, drawn, [c.shape[0] for c in cands])
+        cands = [np.concatenate([c, rows]) for c, rows in zip(cands, drawn)]
+    counts = backend.candidate_counts(state, [c.shape[0] for c in cands])
+    out = []
+    for (_, fill), c, w in zip(seeds, cands, counts):
+        w = w.astype(np.float64)
+        if np.unique(c, axis=0).shape[0] < k:
+            # Fewer distinct candidates than clusters (P's rows sit on a few
+            # points): rows drawn uniformly fill in, as k-means++ would.
+            rng = np.random.default_rng(fill)
+            extra = backend.rows(np.sort(rng.choice(backend.n, size=k, replace=False)))
+            c, w = np.concatenate([c, extra]), np.concatenate([w, np.ones(k)])
+        out.append((c, w))
+    return out
+
+
+def _reseed_starved(centers, counts, x, d2, rng: np.random.Generator) -> None:
+    """Move starved centres to batch points drawn with probability ~ squared distance.
+
+    A centre is starved when its count is below ``_REASSIGNMENT_RATIO`` of the
+    largest count (zero included).  As in scikit-learn, the fewest-count
+    centres go first, at most half a batch of them, and a re-seeded centre
+    gets the smallest count of the others so the next batch does not wipe it.
+    """
+    starved = np.flatnonzero(counts < _REASSIGNMENT_RATIO * counts.max())
+    if starved.size == 0:
+        return
+    starved = starved[np.argsort(counts[starved], kind="stable")]
+    n_new = min(starved.size, max(1, x.shape[0] // 2), np.count_nonzero(d2))
+    if n_new == 0:
+        return
+    fed = np.ones(counts.shape[0], dtype=bool)
+    fed[starved] = False
+    starved = starved[:n_new]
+    pick = rng.choice(x.shape[0], size=n_new, replace=False, p=d2 / d2.sum())
+    centers[starved] = x[pick]
+    counts[starved] = counts[fed].min()
+
+
+def _minibatch_step(x, centers, counts, rng, reseed: bool):
+    """One mini-batch step: new centres (counts updated in place) and the batch inertia."""
+    k = centers.shape[0]
+    labels, d2 = _nearest(x, centers, np.einsum("ij,ij->i", centers, centers))
+    n_j = np.bincount(labels, minlength=k)
+    hit = n_j > 0
+    total = counts[hit] + n_j[hit]
+    new = centers.copy()
+    sums = _cluster_sums(x, labels, k)
+    new[hit] = (centers[hit] * counts[hit, None] + sums[hit]) / total[:, None]
+    counts[hit] = total
+    if reseed:
+        _reseed_starved(new, counts, x, d2, rng)
+    return new, float(d2.sum())
+
+
+def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0) -> deque:
+    """Draw the row indices of ``m`` batches; fetch the rows of all but the first ``skip``.
+
+    One draw per step, so the batches do not depend on how many are fetched
+    at once; a resumed run redraws a whole fetch to leave the generator where
+    the uninterrupted run left it, and fetches only the batches still to come.
+    """
+    index = np.concatenate([batch_rng.integers(0, backend.n, size=b) for _ in range(m)])
+    if skip >= m:
+        return deque()
+    index = index[skip * b:]
+    rows = backend.rows(index)
+    _check_finite(rows, index)
+    return deque(np.split(rows, m - skip))
+
+
+def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rng, report,
+                   ckpt, saved, pos: _Position):
+    n, s = backend.n, backend.s
+    k, b = cfg.n_clusters, cfg.batch_size
+    alpha = min(1.0, 2.0 * b / (n + 1))
+    per_fetch = max(1, min(_PREFETCH_ROWS, _PREFETCH_BYTES // (8 * s)) // b)
+    if saved is None:
+        first, counts = 1, np.zeros(k)
+        ewa = ewa_min = None
+        no_improvement = since_reseed = 0
+        fetch, queue = None, deque()
+    else:
+        first, counts = saved["step"] + 1, np.array(saved["counts"], dtype=np.float64)
+        ewa, ewa_min = saved["ewa"], saved["ewa_min"]
+        no_improvement, since_reseed = saved["no_improvement"], saved["since_reseed"]
+        fetch = saved["fetch"]
+        batch_rng.bit_generator.state = fetch["rng"]
+        pos.at("minibatch", first, (first, fetch["step"] + fetch["m"] - 1))
+        queue = _fetch_batches(backend, batch_rng, fetch["m"], b, skip=first - fetch["step"])
+        reseed_rng.bit_generator.state = saved["reseed_rng"]
+    stop = "max_iter"
+    for step in range(first, cfg.max_iter + 1):
+        if not queue:
+            m = min(per_fetch, cfg.max_iter - step + 1)
+            fetch = {"step": step, "m": m, "rng": batch_rng.bit_generator.state}
+            pos.at("minibatch", step, (step, step + m - 1))
+            queue = _fetch_batches(backend, batch_rng, m, b)
+        x = queue.popleft()
+        since_reseed += b
+        # Re-seeding starved centres would strip small clusters (their centres
+        # see few batch points) before the Lloyd phase, which does not bring
+        # them back: mini-batch-then-Lloyd leaves empty clusters to Lloyd.
+        reseed = cfg.algorithm == "minibatch" and (
+            bool((counts == 0).any()) or since_reseed >= 10 * k)
+        if reseed:
+            since_reseed = 0
+        new, batch_inertia = _minibatch_step(x, centers, counts, reseed_rng, reseed)
+        shift = float(np.sum((new - centers) ** 2))
+        centers = new
+        mean_inertia = batch_inertia / b
+        # The first batch measures the initial centres: the average starts at step 2.
+        if step > 1:
+            ewa = mean_inertia if ewa is None else ewa * (1 - alpha) + mean_inertia * alpha
+        report(step, n * (mean_inertia if ewa is None else ewa), shift, "minibatch")
+        if step > 1:
+            if cfg.tol > 0 and shift <= tol_abs:
+                stop = "tol"
+                break
+            if ewa_min is None or ewa < ewa_min:
+                ewa_min, no_improvement = ewa, 0
+            else:
+                no_improvement += 1
+            if cfg.max_no_improvement is not None and no_improvement >= cfg.max_no_improvement:
+                stop = "no_improvement"
+                break
+        if ckpt is not None and ckpt.due(step, cfg.max_iter, "minibatch"):
+            ckpt.save(step, {"centers": centers, "counts": counts}, {
+                "phase": "minibatch", "step": step, "tol_abs": tol_abs, "ewa": ewa,
+                "ewa_min": ewa_min, "no_improvement": no_improvement, "since_reseed": since_reseed,
+                "fetch": fetch, "reseed_rng": reseed_rng.bit_generator.state,
+            })
+    return centers, step, stop
+
+
+def _relocate_empty(backend, sums, counts, parts, n_far: int) -> None:
+    """Give each empty cluster one of the points farthest from their centre.
+
+    Candidates are the global ``n_far`` farthest points (ties to the lowest
+    index), merged from the chunks' own farthest points: the same set for any
+    chunking.  A point leaves its cluster only if that cluster keeps a point.
+    An empty cluster left without a candidate keeps its centre.
+    """
+    empty = np.flatnonzero(counts == 0)
+    far_d2 = np.concatenate([p["far_d2"] for p in parts])
+    far_index = np.concatenate([p["far_index"] for p in parts])
+    far_label = np.concatenate([p["far_label"] for p in parts])
+    chosen = []
+    for i in np.lexsort((far_index, -far_d2))[:n_far]:
+        if len(chosen) == empty.size:
+            break
+        if far_d2[i] > 0 and counts[far_label[i]] > 1:
+            counts[far_label[i]] -= 1
+            chosen.append(i)
+    if not chosen:
+        return
+    rows = backend.rows(far_index[chosen])
+    for j, i, row in zip(empty, chosen, rows):
+        sums[far_label[i]] -= row
+        sums[j] = row
+        counts[j] = 1
+
+
+def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
+               pos: _Position, refine: bool = False, done: int = 0):
+    """Lloyd iterations until the centres stay put, ``tol`` or ``max_iter``.
+
+    Alone (``refine=False``), ``tol`` bounds the centres' movement as in
+    scikit-learn's ``KMeans``.  After mini-batch steps (``refine=True``,
+    ``done`` of them), a run stops when no label changes or when a pass
+    lowers the inertia by at most ``tol`` times itself.
+    """
+    k, s = centers.shape
+    stop = "max_iter"
+    first = 1 if saved is None else saved["step"] + 1
+    previous = None if saved is None else saved.get("inertia")
+    for it in range(first, cfg.max_iter + 1):
+        pos.at("lloyd", it)
+        parts = backend.lloyd_pass(centers, k)
+        sums = np.zeros((k, s))
+        counts = np.zeros(k, dtype=np.int64)
+        for part in parts:  # chunk order, whatever worker answered first
+            sums += part["sums"]
+            counts += part["counts"]
+        relocated = bool((counts == 0).any())
+        if relocated:
+            _relocate_empty(backend, sums, counts, parts, k)
+        new = centers.copy()
+        full = counts > 0
+        new[full] = sums[full] / counts[full, None]
+        shift = float(np.sum((new - centers) ** 2))
+        centers = new
+        inertia = math.fsum(p["inertia"] for p in parts)
+        report(it, inertia, shift, "lloyd")
+        if shift == 0.0:  # the same labels as the pass before: Lloyd's fixed point
+            # This pass measured the final centres: no assignment pass is needed.
+            return centers, it, "converged", None if relocated else (inertia, counts)
+        if refine:
+            if previous is not None and previous - inertia <= cfg.tol * inertia:
+                stop = "tol"
+                break
+        elif shift <= tol_abs:
+            stop = "tol"
+            break
+        previous = inertia
+        if ckpt is not None and ckpt.due(it, cfg.max_iter, "lloyd"):
+            ckpt.save(done + it, {"centers": centers}, {
+                "phase": "lloyd", "step": it, "tol_abs": tol_abs, "inertia": inertia,
+                "done": done,
+            })
+    return centers, it, stop, None
+
+
+@dataclass
+class _Best:
+    """The run with the lowest full-pass inertia so far."""
+
+    centers: np.ndarray
+    counts: np.ndarray
+    inertia: float
+    n_iter: int
+    stop: str
+    restart: int
+    labels: Any = None  # None when the run finished before a resume
+
+
+@dataclass
+class _Runs:
+    """What the runs so far leave behind: the state between two runs."""
+
+    seeds: list[int]
+    restart: int = 0
+    inertias: list[float] = field(default_factory=list)
+    n_steps_total: int = 0
+    best: _Best | None = None
+
+
+class _Checkpointer:
+    """The commits of one k-means fit: every ``every`` steps of a run, and after each run.
+
+    A commit holds the runs so far (their seeds, full-pass inertias, step
+    count and best centres) and, in the middle of a run, that run's own
+    state: step, centres, counts, the generators' states and the stopping
+    counters.  The best centres are written only when they change.
+    """
+
+    def __init__(self, store, every: dict):
+        self.store, self.every = store, every
+        self.runs: _Runs | None = None
+        self._best_saved = None
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    def due(self, step: int, max_iter: int, phase: str) -> bool:
+        """Whether to commit after ``step`` of ``phase`` (never after its last: the run's
+        end, or the next phase, commits)."""
+        return step % self.every[phase] == 0 and step < max_iter
+
+    def save(self, step: int = 0, arrays: dict | None = None, run: dict | None = None) -> None:
+        """Commit the runs so far and, with ``run``, the state of the current run at ``step``."""
+        runs = self.runs
+        arrays = dict(arrays or {})
+        best = runs.best
+        if best is not None and best is not self._best_saved:
+            arrays.update(best_centers=best.centers, best_counts=best.counts)
+        state = {
+            "seeds": runs.seeds, "restart": runs.restart, "inertias": runs.inertias,
+            "n_steps_total": runs.n_steps_total, "run": run,
+            "best": None if best is None else {
+                "inertia": best.inertia, "n_iter": best.n_iter, "stop": best.stop,
+                "restart": best.restart,
+            },
+        }
+        finished = run is None and runs.restart == len(runs.seeds)
+        self.store.save(runs.n_steps_total + step, arrays, state, finished=finished)
+        self._best_saved = best
+
+    def restore(self, runs: _Runs) -> tuple[dict | None, dict]:
+        """Load the last commit into ``runs`` and keep them to commit later.
+
+        Returns the state of the run the commit interrupted (None at a run
+        boundary) and what the result's ``info`` records.
+        """
+        self.runs = runs
+        loaded = self.store.load()
+        info = {"checkpoint": self.url, "resumed_from": None, "already_finished": False}
+        if loaded is None:
+            logger.info("no k-means commit at %s yet: starting from the first run", self.url)
+            return None, info
+        _, arrays, state = loaded
+        runs.seeds = [int(v) for v in state["seeds"]]
+        runs.restart, runs.n_steps_total = state["restart"], state["n_steps_total"]
+        runs.inertias = [float(v) for v in state["inertias"]]
+        if state["best"] is not None:
+            runs.best = _Best(centers=arrays["best_centers"], counts=arrays["best_counts"],
+                              **state["best"])
+            self._best_saved = runs.best
+        run = state["run"]
+        step = 0 if run is None else run["step"]
+        info["resumed_from"] = {"restart": runs.restart, "step": step}
+        if self.store.finished:
+            info["already_finished"] = True
+            logger.info(
+                "the k-means checkpoint at %s holds a finished fit (%d runs, best inertia "
+                "%.6e); nothing to do but one assignment pass for the labels",
+                self.url, len(runs.seeds), runs.best.inertia,
+            )
+            return None, info
+        logger.info("resuming k-means from %s: run %d/%d at step %d",
+                    self.url, runs.restart + 1, len(runs.seeds), step)
+        if run is None:
+            return None, info
+        return dict(run, centers=arrays["centers"], counts=arrays.get("counts")), info
+
+
+def _seed_fingerprint(random_state, seeds) -> int | str | None:
+    """How ``random_state`` shows in the fingerprint: the seed itself, or the runs' seeds.
+
+    None draws fresh seeds: a fit resumed with None continues with the
+    seeds its checkpoint saved.
+    """
+    if random_state is None:
+        return None
+    if isinstance(random_state, numbers.Integral) and not isinstance(random_state, bool):
+        return int(random_state)
+    return f"{type(random_state).__name__} giving seeds {chunk_digest(np.asarray(seeds))[:12]}"
+
+
+def _open_checkpoint(backend, P, cfg: _Config, seed, url, every, resume: bool,
+                     overwrite: bool, storage_options) -> _Checkpointer:
+    """Claim (or open, to resume) the checkpoint after fingerprinting P on its workers."""
+    params = {
+        "n_clusters": cfg.n_clusters, "algorithm": cfg.algorithm,
+        "init": cfg.init if isinstance(cfg.init, str) else f"array {chunk_digest(cfg.init)}",
+        "batch_size": cfg.batch_size, "n_init": cfg.n_init, "max_iter": cfg.max_iter,
+        "tol": cfg.tol, "max_no_improvement": cfg.max_no_improvement,
+        "init_size": cfg.init_size, "random_state": seed,
+    }
+    chunks, digests = backend.digests()
+    data = {"shape": [backend.n, backend.s], "chunks": list(chunks),
+            "dtype": str(np.dtype(P.dtype)), "digests": digests}
+    store = StateCheckpoint(url, "kmeans", params, input=data, resume=resume,
+                            overwrite=overwrite, storage_options=storage_options)
+    return _Checkpointer(store, every)
+
+
+def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
+                    ckpt: _Checkpointer | None, url: str | None):
+    """The :class:`~dkicf.errors.WorkerFailureError` of a k-means task that killed its workers.
+
+    It names the run and the step (or pass) and, with a checkpoint, its last
+    commit, from which ``resume=True`` continues.
+    """
+    resume = "call again with resume=True (dkicf fit: --resume)"
+    commit = None if ckpt is None else ckpt.store.commit
+    if ckpt is not None:
+        url = ckpt.url
+    if commit is not None and commit["finished"]:
+        hint = (f"The k-means checkpoint in {url!r} holds the finished fit: {resume} to get "
+                "its result after one assignment pass.")
+    elif commit is not None:
+        state = commit["state"]
+        run = f"run {state['restart'] + 1}/{len(state['seeds'])}"
+        if state["run"] is None:
+            at = f"at the start of {run}"
+        else:
+            phase = state["run"].get("phase", "lloyd" if algorithm == "lloyd" else "minibatch")
+            unit = "Lloyd iteration" if phase == "lloyd" else "mini-batch step"
+            at = f"at {run}, {unit} {state['run']['step']}"
+        hint = (f"The last k-means checkpoint, {at}, is in {url!r}: {resume} to continue "
+                "from it.")
+    elif url is not None:
+        hint = (f"No k-means checkpoint was committed yet in {url!r}: {resume} to use it, "
+                "from the first run.")
+    else:
+        hint = ("Pass checkpoint= (dkicf fit: --checkpoint DIR) and resume=True after a "
+                "failure (--resume) to be able to resume.")
+    return worker_failure(exc, "k-means", pos.step, ckpt, where=str(pos), resume_hint=hint)
+
+
+def _run_phases(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
+                pos: _Position, batch_ss, reseed_ss):
+    """The mini-batch and Lloyd phases of one run: its centres, steps, stop reason and,
+    when its last Lloyd pass measured the final centres, that pass's inertia and counts.
+
+    ``saved`` is the state of a run resumed in its middle: the phase it was
+    in (mini-batch for commits that do not say) and that phase's state.
+    """
+    phase = "minibatch" if cfg.algorithm != "lloyd" else "lloyd"
+    if saved is not None:
+        phase = saved.get("phase", phase)
+    done = 0
+    if phase == "minibatch":
+        centers, done, stop = _run_minibatch(
+            backend, centers, cfg, tol_abs,
+            np.random.default_rng(batch_ss), np.random.default_rng(reseed_ss), report,
+            ckpt, saved, pos,
+        )
+        saved = None
+        if cfg.algorithm == "minibatch":
+            return centers, done, stop, None
+    elif saved is not None:
+        done = saved.get("done", 0)
+    centers, n_lloyd, stop, final = _run_lloyd(
+        backend, centers, cfg, tol_abs, report, ckpt, saved, pos,
+        refine=cfg.algorithm != "lloyd", done=done,
+    )
+    return centers, done + n_lloyd, stop, final
+
+
+def _check_distinct(backend, k: int) -> None:
+    """Refuse more clusters than P has distinct rows (some would stay empty)."""
+    direction = np.random.default_rng(0).standard_normal(backend.s)
+    found = np.unique(np.concatenate(backend.distinct(k, direction))).size
+    if found < k:
+        raise ValueError(
+            f"n_clusters={k} is larger than the number of distinct rows of P ({found}): "
+            f"pass n_clusters <= {found}."
+        )
+
+
+def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos: _Position):
+    start = time.perf_counter()
+    pos.at("init")
+    _check_distinct(backend, cfg.n_clusters)
+    runs = _Runs(seeds=[int(v) for v in seeds])
+    saved, info = None, {}
+    if ckpt is not None:
+        saved, info = ckpt.restore(runs)
+    pending = {}  # k-means|| candidates of the runs still to start, oversampled together
+
+    def candidates(restart):
+        if restart not in pending:
+            todo = range(restart, cfg.n_init)
+            found = _oversample(backend, cfg.n_clusters, [
+                tuple(np.random.SeedSequence(runs.seeds[r]).spawn(5)[3:]) for r in todo
+            ], pos)
+            pending.update(zip(todo, found))
+        return pending.pop(restart)
+
+    for restart in range(runs.restart, cfg.n_init):
+        runs.restart = pos.restart = restart
+        init_ss, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
+        if saved is None:
+            pos.at("init")
+            centers, variance = _initial_centers(
+                backend, cfg, np.random.default_rng(init_ss),
+                lambda restart=restart: candidates(restart),
+            )
+            tol_abs = cfg.tol * variance
+        else:  # resumed in the middle of this run
+            centers, tol_abs = saved["centers"], saved["tol_abs"]
+
+        def report(step, inertia, shift, phase, restart=restart):
+            if progress is not None:
+                progress(
+                    KMeansProgress(
+                        restart=restart, n_init=cfg.n_init, step=step, max_iter=cfg.max_iter,
+                        inertia=float(inertia), center_shift=shift,
+                        elapsed=time.perf_counter() - start, phase=phase,
+                    )
+                )
+
+        centers, n_iter, stop, final = _run_phases(backend, centers, cfg, tol_abs, report,
+                                                   ckpt, saved, pos, batch_ss, reseed_ss)
+        saved = None
+        runs.n_steps_total += n_iter
+        if final is None:
+            pos.at("assign", n_iter)
+            labels, inertia, counts = _full_pass(backend, centers)
+        else:  # labels of the best run only, by one pass at the end
+            labels, (inertia, counts) = None, final
+        runs.inertias.append(inertia)
+        logger.info(
+            "k-means (%s) run %d/%d: %d steps, stop: %s, inertia %.6e",
+            cfg.algorithm, restart + 1, cfg.n_init, n_iter, stop, inertia,
+        )
+        if runs.best is None or inertia < runs.best.inertia * (1 - _TIE_RTOL):
+            runs.best = _Best(centers, counts, inertia, n_iter, stop, restart, labels)
+        runs.restart = restart + 1
+        if ckpt is not None:
+            ckpt.save()
+    best = runs.best
+    labels = best.labels
+    if labels is None:  # not kept (or the run ended before a resume): one pass away
+        pos.restart = best.restart
+        pos.at("labels", best.n_iter)
+        labels, _, _ = _full_pass(backend, best.centers)
+    n_found = int(np.count_nonzero(best.counts))
+    if n_found < cfg.n_clusters:
+        warnings.warn(
+            f"only {n_found} of n_clusters={cfg.n_clusters} clusters have points: P has too "
+            "few distinct rows for that many clusters.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return KMeansResult(
+        cluster_centers=best.centers,
+        labels=labels,
+        inertia=best.inertia,
+        n_iter=best.n_iter,
+        n_steps_total=runs.n_steps_total,
+        inertias=runs.inertias,
+        stop_reason=best.stop,
+        info=info,
+    )

@@ -1,0 +1,463 @@
+"""The k-means' chunk kernels and its two backends: a thread pool here, or dask tasks.
+
+Each kernel reads one row chunk of P and returns a summary of size
+``O(k s)``: labels and distances stay with the chunk.  The numpy backend runs
+the kernels over row blocks of an in-memory P; the dask backend runs them as
+tasks where P's chunks live.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from scipy import sparse
+
+from ._chunk import LazyChunk, chunk_digest, materialize, threadpool_limits
+from ._cluster import get_client
+from ._memory import _gib, _worker_resources
+from ._validation import is_dask_array
+
+# Rows x centres of the distance block a chunk kernel holds at once.
+_BLOCK_ELEMENTS = 1 << 20
+
+
+# Numpy backend: rows per block of its thread pool, at least.
+_MIN_BLOCK_ROWS = 16384
+
+
+def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
+    """Raise naming the first row of P that holds NaN or infinity.
+
+    ``rows`` is the global index of ``x``'s first row, or of all its rows.
+    """
+    if np.isfinite(x).all():
+        return
+    bad = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+    row = int(rows[bad]) if isinstance(rows, np.ndarray) else rows + bad
+    raise ValueError(
+        f"P contains NaN or infinity: first at row {row}. "
+        "Remove or impute those rows before clustering."
+    )
+
+
+def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None):
+    """Nearest centre of each row (ties to the lowest index) and the squared distance to it.
+
+    ``||x||^2 - 2 x.c + ||c||^2`` in float64, clamped at 0 (rounding can make a
+    point at a centre slightly negative).  ``x_sq``: the rows' ``||x||^2``, when
+    the caller already has them.
+    """
+    d = x @ centers.T
+    d *= -2.0
+    d += c_sq
+    d += (np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq)[:, None]
+    labels = np.argmin(d, axis=1).astype(np.int64, copy=False)
+    d2 = d[np.arange(x.shape[0]), labels]
+    np.maximum(d2, 0.0, out=d2)
+    return labels, d2
+
+
+def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """Per-centre sums of the rows: the sparse (k, m) indicator times the (m, s) rows.
+
+    ``m * s`` additions.  A dense indicator would cost ``k`` times more and
+    goes through a matrix-product shape (few rows, a long inner dimension)
+    that BLAS handles badly.
+    """
+    m = x.shape[0]
+    onehot = sparse.csr_matrix((np.ones(m), labels, np.arange(m + 1)), shape=(m, k))
+    return np.asarray(onehot.T @ x)
+
+
+def _row_blocks(p, offset: int, width: int, check: bool):
+    """``(lo, hi, rows)`` of a chunk in blocks of about ``_BLOCK_ELEMENTS / width`` rows.
+
+    The rows are widened to float64 block by block; ``check``: raise on NaN
+    or infinity (P that was not validated yet).
+    """
+    step = max(256, _BLOCK_ELEMENTS // max(1, width))
+    for lo in range(0, p.shape[0], step):
+        hi = min(lo + step, p.shape[0])
+        x = np.asarray(p[lo:hi], dtype=np.float64)
+        if check:
+            _check_finite(x, offset + lo)
+        yield lo, hi, x
+
+
+def _scan(p, offset: int, centers: np.ndarray, with_sums: bool, check: bool = True):
+    """Labels, squared distances and (optionally) per-centre sums of one row chunk.
+
+    Works in row blocks so that the distance block stays small whatever the
+    chunk size; rows are widened to float64 block by block.  ``check``: raise
+    on NaN or infinity (P that was not validated yet).
+    """
+    n, s = p.shape
+    k = centers.shape[0]
+    c_sq = np.einsum("ij,ij->i", centers, centers)
+    labels = np.empty(n, dtype=np.int64)
+    d2 = np.empty(n)
+    sums = np.zeros((k, s)) if with_sums else None
+    for lo, hi, x in _row_blocks(p, offset, k, check):
+        labels[lo:hi], d2[lo:hi] = _nearest(x, centers, c_sq)
+        if with_sums:
+            sums += _cluster_sums(x, labels[lo:hi], k)
+    return labels, d2, sums
+
+
+def _chunk_assign(p, offset: int, centers: np.ndarray, check: bool = True):
+    """One chunk of a full pass: its labels, and its inertia and counts."""
+    labels, d2, _ = _scan(p, offset, centers, with_sums=False, check=check)
+    stats = {
+        "inertia": float(d2.sum()),
+        "counts": np.bincount(labels, minlength=centers.shape[0]),
+    }
+    return labels, stats
+
+
+def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int, check: bool = True) -> dict:
+    """One chunk of a Lloyd iteration: per-centre sums and counts, inertia, farthest points.
+
+    The farthest points (largest squared distance to their centre, with their
+    global index and label) are the candidates for re-seeding empty clusters.
+    """
+    labels, d2, sums = _scan(p, offset, centers, with_sums=True, check=check)
+    n = labels.shape[0]
+    m = min(n_far, n)
+    far = np.arange(n)
+    if m < n:
+        # Everything tied with the m-th largest, then ties to the lowest index:
+        # the chunk's candidates are the same whatever the chunk boundaries.
+        far = np.flatnonzero(d2 >= np.partition(d2, n - m)[n - m])
+    far = far[np.lexsort((far, -d2[far]))[:m]]
+    return {
+        "sums": sums,
+        "counts": np.bincount(labels, minlength=centers.shape[0]),
+        "inertia": float(d2.sum()),
+        "far_d2": d2[far],
+        "far_index": far.astype(np.int64) + offset,
+        "far_label": labels[far],
+    }
+
+
+def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
+                          check: bool = True):
+    """k-means|| of several runs at once: each row's nearest candidate, updated with new ones.
+
+    ``states`` is None or the chunk's ``(d2, label)`` per run for its
+    candidates so far; ``cands[r]`` are run ``r``'s new candidates (possibly
+    none), numbered from ``firsts[r]``.  The chunk is read once for all runs,
+    with one matrix product per run (so that a run's distances do not depend
+    on which runs share the pass).  A row moves to a new
+    candidate only if strictly nearer (ties to the lowest number, as an
+    argmin over all of them).  Returns the new states and each run's sum of
+    squared distances.
+    """
+    n = p.shape[0]
+    if states is None:
+        states = [(np.full(n, np.inf), np.zeros(n, dtype=np.int64)) for _ in cands]
+    # Only the runs with new candidates change: the others keep their arrays.
+    new = [(d2.copy(), label.copy()) if c.shape[0] else (d2, label)
+           for (d2, label), c in zip(states, cands)]
+    c_sq = [np.einsum("ij,ij->i", c, c) for c in cands]
+    for lo, hi, x in _row_blocks(p, offset, sum(c.shape[0] for c in cands), check):
+        x_sq = np.einsum("ij,ij->i", x, x)
+        for r, (d2, label) in enumerate(new):
+            if cands[r].shape[0] == 0:
+                continue
+            near, dist = _nearest(x, cands[r], c_sq[r], x_sq)
+            better = dist < d2[lo:hi]
+            d2[lo:hi][better] = dist[better]
+            label[lo:hi][better] = near[better] + firsts[r]
+    return new, [float(d2.sum()) for d2, _ in new]
+
+
+def _uniform(key: int, index: np.ndarray) -> np.ndarray:
+    """Uniform numbers in [0, 1), one per global row index, from a counter-based hash.
+
+    SplitMix64 of ``key + index * golden``: a row's number depends on the key
+    and its index only, not on the chunk that holds it.
+    """
+    with np.errstate(over="ignore"):
+        z = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _chunk_oversample(p, offset: int, states, phis: list, ell: float, keys: list) -> list:
+    """k-means||: for each run, its rows drawn with probability ``min(1, ell d2 / phi)``.
+
+    A run whose ``phi`` is 0 (or below) draws none.  Returns the rows
+    (float64) of each run, in row order.
+    """
+    out = []
+    for (d2, _), phi, key in zip(states, phis, keys):
+        if not phi > 0:
+            out.append(np.empty((0, p.shape[1])))
+            continue
+        u = _uniform(key, np.arange(offset, offset + d2.shape[0], dtype=np.int64))
+        local = np.flatnonzero(u * phi < ell * d2)
+        out.append(np.asarray(p[local], dtype=np.float64).reshape(local.size, p.shape[1]))
+    return out
+
+
+def _state_counts(states, sizes: list) -> list:
+    """k-means||: per run, how many rows of the chunk each candidate is nearest to."""
+    return [np.bincount(label, minlength=m) for (_, label), m in zip(states, sizes)]
+
+
+def _chunk_distinct(p, offset: int, k: int, direction: np.ndarray,
+                    check: bool = True) -> np.ndarray:
+    """Up to ``k`` distinct projections of the chunk's rows on ``direction``.
+
+    Equal rows have equal projections; distinct rows have distinct ones
+    (almost surely, for a random direction).  The chunk is read in blocks
+    and the scan stops once ``k`` are found, usually in the first block.
+    """
+    found = np.empty(0)
+    for lo in range(0, p.shape[0], 4096):
+        x = np.asarray(p[lo:lo + 4096], dtype=np.float64)
+        if check:
+            _check_finite(x, offset + lo)
+        found = np.unique(np.concatenate([found, x @ direction]))
+        if found.size >= k:
+            break
+    return found[:k]
+
+
+def _chunk_take(p, local: np.ndarray) -> np.ndarray:
+    """Rows of a chunk at local indices, as float64."""
+    return np.asarray(p[local], dtype=np.float64)
+
+
+def _in_task(fn, *args):
+    """Run a block kernel in a dask task with one BLAS thread.
+
+    Workers already run one task per core; threaded BLAS inside the tasks
+    would oversubscribe them.
+    """
+    with threadpool_limits(1):
+        return fn(materialize(args[0]), *args[1:])
+
+
+class _NumpyBackend:
+    """P in this process, scanned in row blocks by a pool of threads.
+
+    One thread per core, each with one BLAS thread: the block kernels are
+    the dask backend's, and numpy releases the GIL in them.  Blocks are
+    reduced in row order, so the result does not depend on which thread
+    finished first.
+    """
+
+    def __init__(self, P: np.ndarray):
+        self.P = P
+        self.n, self.s = P.shape
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        rows = max(_MIN_BLOCK_ROWS, -(-self.n // (4 * threads)))
+        self.offsets = np.append(np.arange(0, self.n, rows), self.n).astype(np.int64)
+        nblocks = len(self.offsets) - 1
+        self.pool = ThreadPoolExecutor(min(threads, nblocks)) if min(threads, nblocks) > 1 \
+            else None
+
+    def _map(self, fn, *args, per_block=None) -> list:
+        """``fn(block, offset, *per_block[j], *args)`` for every row block, in block order."""
+
+        def one(j):
+            lo, hi = int(self.offsets[j]), int(self.offsets[j + 1])
+            own = () if per_block is None else (per_block[j],)
+            return fn(self.P[lo:hi], lo, *own, *args)
+
+        blocks = range(len(self.offsets) - 1)
+        with threadpool_limits(1):
+            if self.pool is None:
+                return [one(j) for j in blocks]
+            return list(self.pool.map(one, blocks))
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        return np.asarray(self.P[index], dtype=np.float64)
+
+    # P was checked for NaN and infinity on entry (check_array_2d): check=False.
+    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
+        return self._map(_chunk_lloyd, centers, n_far, False)
+
+    def full_pass(self, centers: np.ndarray):
+        parts = self._map(_chunk_assign, centers, False)
+        return np.concatenate([labels for labels, _ in parts]), [st for _, st in parts]
+
+    def nearest_update(self, state, cands: list, firsts: list):
+        per_block = [None] * (len(self.offsets) - 1) if state is None else state
+        parts = self._map(_chunk_nearest_update, cands, firsts, False, per_block=per_block)
+        return [st for st, _ in parts], [phi for _, phi in parts]
+
+    def oversample(self, state, phis: list, ell: float, keys: list) -> list:
+        parts = self._map(_chunk_oversample, phis, ell, keys, per_block=state)
+        return [np.concatenate([part[r] for part in parts]) for r in range(len(phis))]
+
+    def candidate_counts(self, state, sizes: list) -> list:
+        parts = [_state_counts(st, sizes) for st in state]
+        return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
+
+    def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
+        return self._map(_chunk_distinct, k, direction, False)
+
+    def digests(self) -> tuple[tuple[int, ...], list[str]]:
+        """Row chunks and one digest per chunk: the data's fingerprint."""
+        return (self.n,), [chunk_digest(self.P)]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+
+class _DaskBackend:
+    """Row chunks of a dask P, one task per chunk and pass on the cluster.
+
+    The chunks are computed once into worker memory and stay there for the
+    whole run; what comes back to the driver is sampled rows and per-chunk
+    summaries.  Task keys are tokens of everything a task depends on (chunk
+    key and arguments) and of the fit: two requests that share a key compute
+    the same value, and a fit never picks up another fit's tasks, such as
+    the erred ones of a fit that failed and whose exception is still held.
+    """
+
+    def __init__(self, P, client, persist: bool = True):
+        import uuid
+
+
+        self.token = uuid.uuid4().hex
+        self.client = get_client(client)
+        if P.numblocks[1] != 1:
+            P = P.rechunk({1: -1})
+        self.n, self.s = (int(v) for v in P.shape)
+        self.chunks = tuple(int(c) for c in P.chunks[0])
+        self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
+        if persist:
+            _check_fits(self.client, P)
+            self.blocks = self.client.compute(list(P.to_delayed().ravel()))
+        else:
+            # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
+            self.blocks = LazyChunk.row_chunks(P)
+
+    def _submit(self, name: str, fn, j: int, *args):
+        from dask.base import tokenize
+
+        block = self.blocks[j]
+        key = f"kmeans-{name}-{tokenize(self.token, block.key, *args)}"
+        return self.client.submit(_in_task, fn, block, *args, key=key)
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index, dtype=np.int64)
+        uniq, inverse = np.unique(index, return_inverse=True)
+        owner = np.searchsorted(self.offsets, uniq, side="right") - 1
+        cuts = np.searchsorted(owner, np.arange(len(self.chunks) + 1))
+        futs = [
+            self._submit("rows", _chunk_take, j, uniq[lo:hi] - self.offsets[j])
+            for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:]))
+            if hi > lo
+        ]
+        # Chunks hold contiguous row ranges: in chunk order the parts are in `uniq` order.
+        return np.concatenate(self.client.gather(futs))[inverse.ravel()]
+
+    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
+        futs = [
+            self._submit("lloyd", _chunk_lloyd, j, int(off), centers, n_far)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        return self.client.gather(futs)
+
+    def full_pass(self, centers: np.ndarray):
+        import dask.array as da
+
+        both = [
+            self._submit("assign", _chunk_assign, j, int(off), centers)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        labels = [
+            self.client.submit(operator.getitem, f, 0, key=f"{f.key}-labels") for f in both
+        ]
+        stats = self.client.gather(
+            [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-stats") for f in both]
+        )
+        labels = da.concatenate(
+            [
+                da.from_delayed(f, shape=(c,), dtype=np.int64)
+                for f, c in zip(labels, self.chunks)
+            ]
+        )
+        return labels, stats
+
+    def nearest_update(self, state, cands: list, firsts: list):
+        """k-means|| pass: new per-chunk states (futures, kept on the workers) and their sums."""
+        both = [
+            self._submit("kmpar", _chunk_nearest_update, j, int(off),
+                         None if state is None else state[j], cands, firsts)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        new = [self.client.submit(operator.getitem, f, 0, key=f"{f.key}-state") for f in both]
+        phi = self.client.gather(
+            [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-phi") for f in both]
+        )
+        return new, phi
+
+    def oversample(self, state, phis: list, ell: float, keys: list) -> list:
+        futs = [
+            self._submit("kmpar-draw", _chunk_oversample, j, int(off), state[j], phis, ell, keys)
+            for j, off in enumerate(self.offsets[:-1])
+        ]
+        parts = self.client.gather(futs)
+        return [np.concatenate([part[r] for part in parts]) for r in range(len(phis))]
+
+    def candidate_counts(self, state, sizes: list) -> list:
+        futs = [self.client.submit(_state_counts, st, sizes, key=f"{st.key}-counts")
+                for st in state]
+        parts = self.client.gather(futs)
+        return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
+
+    def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
+        futs = [self._submit("distinct", _chunk_distinct, j, int(off), k, direction)
+                for j, off in enumerate(self.offsets[:-1])]
+        return self.client.gather(futs)
+
+    def digests(self) -> tuple[tuple[int, ...], list[str]]:
+        """Row chunks and one digest per chunk, hashed where the chunks live."""
+        futs = [self._submit("digest", chunk_digest, j) for j in range(len(self.chunks))]
+        return self.chunks, self.client.gather(futs)
+
+    def close(self) -> None:
+        self.blocks = None
+
+
+def _check_fits(client, P) -> None:
+    """Refuse to hold a P larger than the cluster's memory (its workers would be killed)."""
+    limits, _ = _worker_resources(client)
+    if limits and all(limits):
+        nbytes = int(np.prod(P.shape)) * P.dtype.itemsize
+        if nbytes > sum(limits):
+            raise ValueError(
+                f"P is {_gib(nbytes)}, more than the {_gib(sum(limits))} of memory of the "
+                f"cluster's {len(limits)} workers, so it cannot be held there: pass "
+                "persist=False to read P's chunks from its source (for example the Zarr "
+                "array of a factorization run with p_store=) in every pass, or add workers "
+                "or memory."
+            )
+
+
+def _backend(P, client, persist: bool = True):
+    return _DaskBackend(P, client, persist) if is_dask_array(P) else _NumpyBackend(P)
+
+
+def _full_pass(backend, centers: np.ndarray):
+    """Labels, inertia and per-centre counts of all rows (chunk results reduced in order)."""
+    labels, stats = backend.full_pass(centers)
+    inertia = math.fsum(st["inertia"] for st in stats)
+    counts = np.zeros(centers.shape[0], dtype=np.int64)
+    for st in stats:
+        counts += st["counts"]
+    return labels, inertia, counts

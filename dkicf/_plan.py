@@ -1,0 +1,338 @@
+"""One plan per fit: the memory estimates of a dataset on a cluster and the decisions taken.
+
+:func:`plan_fit` is pure arithmetic on the dataset's shape and the workers'
+resources (measured once per fit by the caller), so ``dkicf info`` shows the
+same estimates that ``dkicf fit`` acts on.  The per-task accounting it uses
+is in :mod:`dkicf._memory`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import _memory
+from ._cluster import all_workers
+from ._memory import (
+    _Workers,
+    held_bytes,
+    largest_rows,
+    least_limit,
+    memory_fits,
+    p_rows_for,
+    pass_transient,
+    usable_memory_fraction,
+    zarr_width,
+)
+
+__all__ = ["FitPlan", "plan_fit"]
+
+
+# Fraction of a worker's memory limit that one task may use, and of the
+# cluster's memory that P (and X, when held) may use.
+_TASK_FRACTION = 0.5
+_HOLD_FRACTION = 0.6
+
+
+@dataclass
+class FitPlan:
+    """Memory estimates of a fit and the decisions taken from them.
+
+    All sizes are bytes.  ``task_bytes`` is one chunk task of the
+    factorization: the X chunk (as stored and widened to float64), its rows of
+    P (their tails, with P in Zarr), a few per-row vectors and, with P in
+    Zarr, the flushed columns it streams.  ``worker_baseline`` is the memory
+    a worker uses before holding any of the fit's data (None: not measured)
+    and ``p_columns`` the columns of P per Zarr chunk (with P in Zarr).
+    """
+
+    n_samples: int
+    n_features: int
+    rank: int
+    chunk_rows: int
+    n_chunks: int
+    x_bytes: int
+    p_bytes: int
+    task_bytes: int
+    worker_memory: int | None
+    cluster_memory: int | None
+    threads_per_worker: int
+    persist_x: bool
+    p_storage: str
+    rechunked: bool = False
+    worker_baseline: int | None = None
+    p_columns: int | None = None
+
+    def lines(self) -> list[str]:
+        def gb(b):
+            return "unknown" if b is None else f"{b / 2**30:.3f} GiB"
+
+        own = ("" if self.worker_baseline is None
+               else f", of which the worker process itself uses {gb(self.worker_baseline)}")
+        return [
+            f"estimated memory of a fit at rank {self.rank}:",
+            f"  X: {gb(self.x_bytes)}, P: {gb(self.p_bytes)} ({self.n_chunks} chunks "
+            f"of {self.chunk_rows} rows)",
+            f"  one task: {gb(self.task_bytes)}"
+            + (f" (worker limit {gb(self.worker_memory)}{own})" if self.worker_memory else ""),
+            f"  X held in worker memory: {self.persist_x}; P kept in: {self.p_storage}"
+            + (f" ({self.p_columns} columns per Zarr chunk)" if self.p_columns else "")
+            if self.worker_memory else
+            "  X held in worker memory, P in memory or Zarr: decided by fit from the "
+            "workers' memory (not known here)",
+        ]
+
+
+def _task_bytes(rows: int, d: int, itemsize: int, s: int, block: int = 1) -> int:
+    return int(rows * (d * itemsize + 8 * d + 8 * s + 8 * (4 + 2 * block)) + 8 * s * (s + d))
+
+
+# Fewest rows per chunk that a plan rechunks X to.
+_MIN_ROWS = 256
+
+
+# Rows of a Zarr chunk of P when X is rechunked for P in Zarr.
+_ZARR_ROWS = 8192
+
+
+# k-means: bytes per row of its labels, distances and residuals, and how many
+# copies of a chunk of P a task reading it from Zarr holds (as read and decoded).
+_KMEANS_ROW_BYTES = 32
+_KMEANS_P_COPIES = 2
+
+
+def plan_fit(
+    shape: tuple[int, int],
+    chunk_rows: int,
+    itemsize: int,
+    rank: int,
+    *,
+    worker_memory: int | None = None,
+    n_workers: int = 1,
+    threads_per_worker: int = 1,
+    p_storage: str = "auto",
+    persist: str = "auto",
+    worker_baseline: int | None = None,
+    memory_fraction: float | None = None,
+) -> FitPlan:
+    """Estimate the memory of a fit and decide chunking, X residency and P storage.
+
+    The decisions are those under which the fit itself starts
+    (:func:`dkicf._memory.check_worker_memory`) and its k-means stage
+    fits too: per worker, its own memory, the chunk states of its rows held
+    between passes and one task's buffers per thread stay below the usable
+    fraction of its limit.  P stays in worker memory if that fits, else goes
+    to Zarr with as many columns per Zarr chunk as fit; X is held if it fits
+    too, and rechunked to smaller row chunks if its chunks do not fit.
+
+    Parameters
+    ----------
+    shape, chunk_rows, itemsize : the dataset's shape, rows per chunk and bytes per value.
+    rank : int
+        The factorization's largest rank.
+    worker_memory : int, optional
+        The smallest worker's memory limit (None: unknown, nothing decided from memory).
+    n_workers, threads_per_worker : int
+        The cluster's workers and the most threads of one.
+    p_storage : {"auto", "memory", "zarr"}
+    persist : {"auto", "yes", "no"}
+        Whether X is held in worker memory.
+    worker_baseline : int, optional
+        Bytes a worker uses before holding any of the fit's data, as measured
+        (:func:`dkicf._memory.worker_baseline`).  None: not measured; the
+        plan then counts none and leaves the refusal of a fit that cannot fit
+        even with P in Zarr to the fit itself (before its first pass).
+    memory_fraction : float, optional
+        Fraction of a worker's limit that the fit may fill, as the workers
+        use it (:func:`dkicf._memory.worker_memory_fraction`); default
+        :func:`~dkicf._memory.usable_memory_fraction`.
+
+    Raises
+    ------
+    MemoryError
+        When even small chunks with P in Zarr cannot fit the workers, or P
+        forced into memory cannot; the message says what to change.
+    """
+    n, d = shape
+    s = min(rank, n)
+    x_bytes = n * d * itemsize
+    p_bytes = 8 * n * s
+    chunk_rows = int(max(1, min(chunk_rows, n))) if n else int(chunk_rows)
+    rechunked = False
+    cluster_memory = worker_memory * n_workers if worker_memory else None
+    usable = usable_memory_fraction() if memory_fraction is None else memory_fraction
+    hold_fraction = min(_HOLD_FRACTION, usable)
+    base = dict(n_samples=n, n_features=d, rank=s, x_bytes=x_bytes, p_bytes=p_bytes,
+                worker_memory=worker_memory, cluster_memory=cluster_memory,
+                threads_per_worker=threads_per_worker, worker_baseline=worker_baseline)
+    if not worker_memory:
+        return FitPlan(
+            chunk_rows=chunk_rows, n_chunks=math.ceil(n / chunk_rows),
+            task_bytes=_task_bytes(chunk_rows, d, itemsize, s), persist_x=persist == "yes",
+            p_storage="memory" if p_storage == "auto" else p_storage, **base,
+        )
+    workers = _Workers([worker_memory] * max(n_workers, 1),
+                       [max(threads_per_worker, 1)] * max(n_workers, 1),
+                       worker_baseline or 0, usable)
+    room, threads, rows_w = workers.room, workers.threads, workers.rows(n)
+    enough = min(_MIN_ROWS, chunk_rows)
+
+    def fits(rows: int, hold_x: bool, columns: int | None, p_rows: int | None = None,
+             copies: int | None = None) -> bool:
+        """Whether chunks of ``rows`` rows fit the factorization and then k-means."""
+        held = held_bytes(max(rows_w, rows), d, itemsize, s, hold_x, columns)
+        zarr_rows = None if columns is None else min(
+            rows, _p_rows(rows) if p_rows is None else p_rows)
+        transient = pass_transient(rows, d, itemsize, s, columns, zarr_rows)
+        if not memory_fits(room, held, threads, transient):
+            return False
+        # k-means: P in memory is held (a second time if the factorization
+        # grouped X's chunks into tasks: P comes back chunked like X, copied),
+        # P in Zarr is read a chunk per task; labels and distances per row.
+        if columns is None:
+            if copies is None:
+                copies = 1 if math.ceil(n / rows) <= workers.count * threads else 2
+            held = max(rows_w, rows) * (8 * s * copies + _KMEANS_ROW_BYTES)
+            transient = rows * _KMEANS_ROW_BYTES
+        else:
+            held = rows_w * _KMEANS_ROW_BYTES
+            transient = rows * (8 * s * _KMEANS_P_COPIES + _KMEANS_ROW_BYTES)
+        return memory_fits(room, held, threads, transient)
+
+    def most_rows(hold_x: bool, columns: int | None) -> int:
+        """Rows per chunk that fit, at most chunk_rows (0: not even a few)."""
+        if fits(chunk_rows, hold_x, columns):
+            return chunk_rows
+        rows = largest_rows(lambda r: fits(r, hold_x, columns, _ZARR_ROWS, 2), chunk_rows)
+        if columns is not None and rows > _ZARR_ROWS:
+            rows -= rows % _ZARR_ROWS  # whole Zarr chunks of P (see checkpoint.p_rows_for)
+        return rows if rows >= enough else 0
+
+    if room <= 0 and worker_baseline is not None:
+        need = least_limit(workers, n, max(1, min(_column_block(), s)))
+        raise MemoryError(_own_memory_message(workers, n, s, need))
+    p_fits = most_rows(False, None) > 0
+    if p_storage == "auto":
+        p_storage = "memory" if p_fits else "zarr"
+    elif p_storage == "memory" and not p_fits:
+        raise MemoryError(
+            f"P ({n} x {s} float64, {held_bytes(n, d, itemsize, s, False) / 2**30:.2f} GiB with "
+            f"its vectors) does not fit below {hold_fraction:.0%} of the "
+            f"cluster's {cluster_memory / 2**30:.2f} GiB, where dask starts spilling to disk, "
+            f"with what the workers use themselves ({_mib(workers.baseline)} each) and the "
+            "buffers of their tasks: keep it in Zarr (p_storage='zarr', --p-storage zarr or "
+            "auto), or add workers or memory."
+        )
+    columns = None
+    if p_storage == "zarr":
+        cap = max(1, min(_column_block(), s))
+        columns = zarr_width(workers, n, cap)
+        if columns < 1:
+            if worker_baseline is not None:
+                need = least_limit(workers, n, cap)
+                raise MemoryError(_least_memory_message(workers, n, s, need))
+            # Not measured: the fit refuses it before its first pass (store_columns).
+            return _plan_by_task(chunk_rows, d, itemsize, s, threads_per_worker, worker_memory,
+                                 usable, persist, base)
+    if persist == "auto":
+        persist_x = most_rows(True, columns) > 0
+    else:
+        persist_x = persist == "yes"
+    rows = most_rows(persist_x, columns)
+    if rows < 1:
+        raise MemoryError(
+            f"one task of the factorization over {chunk_rows} rows x {d} features at rank {s} "
+            f"does not fit a worker's memory limit of {_mib(worker_memory)} with "
+            f"{threads_per_worker} thread(s), even over {enough} rows: below "
+            f"{usable:.0%} of it, the worker process itself uses {_mib(workers.baseline)} and "
+            f"the states of its rows {_mib(held_bytes(rows_w, d, itemsize, s, persist_x, columns))}"
+            f"{' (X held: try --persist no)' if persist_x else ''}; give the workers more "
+            "memory (--memory-limit), fewer threads (--threads), or lower the rank (--rank)."
+        )
+    if rows < chunk_rows:
+        chunk_rows, rechunked = rows, True
+    task = held_bytes(chunk_rows, d, itemsize, s, persist_x, columns) + pass_transient(
+        chunk_rows, d, itemsize, s, columns, None if columns is None else _p_rows(chunk_rows))
+    return FitPlan(
+        chunk_rows=chunk_rows, n_chunks=math.ceil(n / chunk_rows), task_bytes=int(task),
+        persist_x=persist_x, p_storage=p_storage, rechunked=rechunked, p_columns=columns,
+        **base,
+    )
+
+
+def _column_block() -> int:
+    """Columns per Zarr chunk of P at most (read at each call: tests shrink it)."""
+    return _memory.COLUMN_BLOCK
+
+
+def _p_rows(rows: int) -> int:
+    """Rows per Zarr chunk of P for row chunks of ``rows`` (checkpoint.p_rows_for)."""
+    return p_rows_for((rows, rows)) or rows
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.0f} MiB"
+
+
+def _own_memory_message(workers, n: int, s: int, need: float) -> str:
+    need = math.ceil(need / 2**20)
+    return (
+        f"the dask workers use about {_mib(workers.baseline)} each before holding any data "
+        f"(the worker process and the libraries a fit imports), more than "
+        f"{workers.fraction:.0%} of their memory limit of {_mib(workers.limit)}, where dask "
+        f"starts spilling to disk: a fit of {n} rows at rank {s} needs a limit of at least "
+        f"about {need} MiB per worker. Give the workers more memory (--memory-limit "
+        f"{need}MiB or more; --memory per job on slurm and pbs)."
+    )
+
+
+def _least_memory_message(workers, n: int, s: int, need: float) -> str:
+    need = math.ceil(need / 2**20)
+    return (
+        f"a fit of {n} rows at rank {s} needs a memory limit of at least about {need} MiB "
+        f"per worker, even with P in Zarr, and the workers have {_mib(workers.limit)}. "
+        f"Below {workers.fraction:.0%} of a worker's limit (where dask starts spilling to "
+        f"disk) must fit the worker process itself ({_mib(workers.baseline)}, measured), "
+        f"the residuals of its {workers.rows(n)} rows with a column of P each, and the "
+        f"buffers of its {workers.threads} task(s) at once. Give the workers more memory "
+        f"(--memory-limit {need}MiB or more; --memory per job on slurm and pbs) or add "
+        "workers (--workers)."
+    )
+
+
+def _plan_by_task(chunk_rows, d, itemsize, s, threads, worker_memory, usable, persist,
+                  base) -> FitPlan:
+    """P in Zarr, sized per task only (the workers' own memory not measured)."""
+    task = _task_bytes(chunk_rows, d, itemsize, s)
+    rechunked = False
+    budget = min(_TASK_FRACTION, usable) * worker_memory / max(threads, 1)
+    if task > budget:
+        per_row = _task_bytes(1, d, itemsize, s) - 8 * s * (s + d)
+        rows = int((budget - 8 * s * (s + d)) // max(per_row, 1))
+        if rows < _MIN_ROWS:
+            raise MemoryError(
+                f"one task of the factorization needs about {task / 2**20:.0f} MiB "
+                f"({chunk_rows} rows x {d} features at rank {s}) and even {_MIN_ROWS} rows "
+                f"need more than {budget / 2**20:.0f} MiB per worker thread; give the "
+                f"workers more memory (--memory-limit), fewer threads (--threads), "
+                f"or lower the rank (--rank)."
+            )
+        chunk_rows, rechunked = rows, True
+        task = _task_bytes(chunk_rows, d, itemsize, s)
+    return FitPlan(
+        chunk_rows=chunk_rows, n_chunks=math.ceil(base["n_samples"] / chunk_rows),
+        task_bytes=task, persist_x=persist == "yes", p_storage="zarr", rechunked=rechunked,
+        **base,
+    )
+
+
+def _worker_resources(client) -> tuple[int | None, int, int]:
+    workers = all_workers(client)
+    if not workers:
+        raise RuntimeError(
+            "the dask cluster has no workers; start some or wait for them before fitting."
+        )
+    limits = [w.get("memory_limit") or 0 for w in workers.values()]
+    threads = max(w.get("nthreads", 1) for w in workers.values())
+    limit = min(limits) if all(limits) else None
+    return limit, len(workers), threads
