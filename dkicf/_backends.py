@@ -17,15 +17,15 @@ driver in :mod:`dkicf.icf` a few collective operations:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
 import numpy as np
 
-from . import _chunk
+from . import _chunk, _services
 from ._candidates import chunk_block_stats, same_request
 from ._cluster import get_client
+from ._factor import History, PivotBlock
 from ._memory import (
     _gib,
     _worker_resources,
@@ -35,6 +35,19 @@ from ._memory import (
     task_budget,
     work_chunks,
     worker_baseline,
+)
+from ._services import (
+    LazyChunk,
+    _deaths_allowed,
+    _drop_preferences,
+    _EventInbox,
+    _holders,
+    _identity,
+    _own_copy,
+    _placement,
+    _stall_report,
+    _workers_kept_dying,
+    threadpool_limits,
 )
 from .errors import WorkerFailureError
 from .kernels import Kernel
@@ -67,7 +80,7 @@ class NumpyBackend:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self.n_threads, thread_name_prefix="dkicf")
-            self._limiter = _chunk.threadpool_limits(1)
+            self._limiter = threadpool_limits(1)
         # One pivot per pass: large tasks (little scheduling per pass).  A
         # block per pass: long passes, smaller tasks that stay in cache.
         self.bounds = _even_bounds(self.n, self._BLOCK_ROWS, self.n_threads)
@@ -108,7 +121,7 @@ class NumpyBackend:
         return _chunk.chunk_rows(self.X, self.state, index)
 
     def apply(
-        self, block: _chunk.PivotBlock, history=None, m: int = 1, stash: int = 0, prefetch=None
+        self, block: PivotBlock, history=None, m: int = 1, stash: int = 0, prefetch=None
     ) -> dict:
         """Apply the block to the one chunk; ``prefetch`` is for :class:`DaskBackend` only
         (here :meth:`map_chunks` is a plain call)."""
@@ -310,7 +323,7 @@ class DaskBackend:
         self._last_rebase = 0
         self._x_blocks = list(X.to_delayed().ravel())
         # One small graph per row chunk, for the per-pass reads.
-        self._x_lazy = _chunk.LazyChunk.row_chunks(X)
+        self._x_lazy = LazyChunk.row_chunks(X)
         self.persist = persist
         self._x_step = None
         self._x_futs = None
@@ -383,7 +396,7 @@ class DaskBackend:
     def _wait(self, futures) -> None:
         """Wait until ``futures`` are done (finished or failed).
 
-        Every :data:`_STALL_SECONDS` that they are not, tasks of this fit
+        Every :data:`_services._STALL_SECONDS` that they are not, tasks of this fit
         stranded in the scheduler's ``no-worker`` state are sent to the
         running workers, and the fit fails rather than wait for ever (see
         :meth:`_on_stall`).
@@ -395,7 +408,7 @@ class DaskBackend:
         while True:
             try:
                 with self.client.as_current():
-                    wait(futures, timeout=_STALL_SECONDS)
+                    wait(futures, timeout=_services._STALL_SECONDS)
                 return
             except (TimeoutError, asyncio.TimeoutError):
                 self._on_stall()
@@ -410,12 +423,12 @@ class DaskBackend:
     def _on_stall(self) -> None:
         """While waiting for a pass: unstick stranded tasks, and fail rather than wait for ever.
 
-        Called every :data:`_STALL_SECONDS` of waiting (see :func:`_stall_report`).
+        Called every :data:`_services._STALL_SECONDS` of waiting (see :func:`_stall_report`).
         The fit fails with :class:`~dkicf.errors.WorkerFailureError` when,
         without the pass completing, workers died :func:`_deaths_allowed`
-        times, or no worker was left for :data:`_NO_WORKERS_SECONDS`, or a
+        times, or no worker was left for :data:`_services._NO_WORKERS_SECONDS`, or a
         worker that dask paused (memory over its pause threshold, which does
-        not go down) held the pass's tasks for :data:`_PAUSED_SECONDS`.
+        not go down) held the pass's tasks for :data:`_services._PAUSED_SECONDS`.
         """
         import time
 
@@ -433,7 +446,7 @@ class DaskBackend:
             self._no_workers_since = None
         elif self._no_workers_since is None:
             self._no_workers_since = now
-        elif now - self._no_workers_since > _NO_WORKERS_SECONDS:
+        elif now - self._no_workers_since > _services._NO_WORKERS_SECONDS:
             raise _workers_kept_dying(
                 f"the cluster has had no worker for {now - self._no_workers_since:.0f} s "
                 f"while the pass waited; the last to die: {report['last_death']}"
@@ -451,7 +464,7 @@ class DaskBackend:
             return
         if self._paused_since is None:
             self._paused_since = now
-        elif now - self._paused_since > _PAUSED_SECONDS:
+        elif now - self._paused_since > _services._PAUSED_SECONDS:
             key, address, memory, limit = report["paused"][0]
             share = f"{memory / limit:.0%} of its memory limit of {_gib(limit)}" if limit else (
                 f"{_gib(memory)} of memory")
@@ -557,7 +570,7 @@ class DaskBackend:
         return xr, aux, pr, er
 
     def apply(
-        self, block: _chunk.PivotBlock, history: _chunk.History, m: int = 1, stash: int = 0,
+        self, block: PivotBlock, history: History, m: int = 1, stash: int = 0,
         prefetch: tuple | None = None,
     ) -> dict:
         """Send the block to every chunk and return the new global summary.
@@ -632,7 +645,7 @@ class DaskBackend:
             entries = (request.count + 1) * count
         return None if entries > _PREFETCH_ENTRIES else (lo, hi, request)
 
-    def _rebase(self, history: _chunk.History) -> None:
+    def _rebase(self, history: History) -> None:
         """Cut the lineage: new state futures whose spec rebuilds from X and the history.
 
         Each rebase task runs where the chunk's state lives and reuses it; only
@@ -811,227 +824,6 @@ class DaskBackend:
                 return
 
 
-class _EventInbox:
-    """Chunk summaries that update tasks send as dask events (see ``report_summary``).
-
-    One scheduler round trip shorter than fetching each summary with a task.
-    The futures stay the source of truth: a task that fails raises here, a
-    task re-run after a worker died reports again (the same values), and if
-    a report has not arrived when its task is finished the caller falls back
-    to summary tasks.
-    """
-
-    def __init__(self, client, topic: str):
-        import threading
-
-        self.client = client
-        self.topic = topic
-        # Called while a collect waits for unfinished tasks (DaskBackend._on_stall).
-        self.on_stall = None
-        self._got: dict[tuple[int, int], dict] = {}
-        self._cond = threading.Condition()
-        self._subscribed = False
-        try:
-            client.subscribe_topic(topic, self._receive)
-            self._subscribed = True
-        except Exception:  # pragma: no cover - a client without events: summary tasks
-            pass
-
-    def _receive(self, event) -> None:
-        _, msg = event
-        with self._cond:
-            self._got[(int(msg["step"]), int(msg["chunk"]))] = msg
-            self._cond.notify_all()
-
-    def collect(self, step: int, futures: list, grace: float = 1.0) -> list[dict] | None:
-        """The summaries of ``step`` in chunk order, or None to fetch them with tasks.
-
-        :attr:`on_stall` (if set) is called every :data:`_STALL_SECONDS` that
-        some of ``futures`` are not finished (see :meth:`DaskBackend._on_stall`).
-        """
-        import time
-
-        on_stall = self.on_stall
-
-        if not self._subscribed:
-            return None
-        wanted = [(step, j) for j in range(len(futures))]
-        done_since = None
-        stall_at = time.monotonic() + _STALL_SECONDS
-        while True:
-            with self._cond:
-                if all(k in self._got for k in wanted):
-                    msgs = [self._got.pop(k) for k in wanted]
-                    # Reports of earlier steps (duplicates from re-runs) are stale.
-                    for k in [k for k in self._got if k[0] <= step]:
-                        del self._got[k]
-                    return [_chunk.summary_from_event(msg) for msg in msgs]
-                self._cond.wait(timeout=0.2)
-            # Outside the lock: the client's event loop, which delivers the
-            # reports, is the one that resolves these futures.
-            bad = [f for f in futures if f.status in ("error", "cancelled")]
-            if bad:
-                bad[0].result()  # raises the task's error
-            if all(f.status == "finished" for f in futures):
-                done_since = done_since or time.monotonic()
-                if time.monotonic() - done_since > grace:
-                    return None
-            else:
-                done_since = None
-                if on_stall is not None and time.monotonic() > stall_at:
-                    on_stall()
-                    stall_at = time.monotonic() + _STALL_SECONDS
-
-    def close(self) -> None:
-        """Unsubscribe, and drop the topic's events from the scheduler's log.
-
-        The scheduler keeps the last events of every topic (1,000 by
-        default) for as long as it runs; a fit's summaries are of no use
-        once it has ended, and a long-lived scheduler would otherwise hold
-        them for every fit.
-        """
-        if self._subscribed:
-            try:
-                self.client.unsubscribe_topic(self.topic)
-                if self.client.status == "running":  # not after the cluster went away
-                    self.client.run_on_scheduler(_drop_topic, topic=self.topic)
-            except Exception:  # pragma: no cover - client closed, or no remote functions
-                pass
-            self._subscribed = False
-
-
-# Seconds of waiting for a pass's tasks between looks for stranded ones.
-_STALL_SECONDS = 5.0
-# Seconds a pass may wait on workers that dask paused before the fit fails.
-_PAUSED_SECONDS = 60.0
-# Seconds a pass may wait with no worker at all in the cluster (all died, none
-# came back) before the fit fails.
-_NO_WORKERS_SECONDS = 300.0
-
-
-def _deaths_allowed(n_workers: int) -> int:
-    """Worker deaths that a pass may see without completing before the fit fails.
-
-    As many as would fail one task with dask's ``allowed-failures`` on every
-    worker: a pass whose tasks keep killing their workers, each time a
-    different task (as workers over their memory limit do), fails like a
-    single task that does.
-    """
-    import dask
-
-    allowed = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
-    return (allowed + 1) * max(1, n_workers)
-
-
-@functools.cache
-def _kept_dying_class() -> type:
-    """A ``distributed.KilledWorker`` whose message is its own (made once, on first use)."""
-    from distributed import KilledWorker
-
-    class WorkersKeptDying(KilledWorker):
-        """Workers kept dying while a pass waited, whichever tasks they ran."""
-
-        def __str__(self) -> str:
-            return str(self.args[0])
-
-    return WorkersKeptDying
-
-
-def _workers_kept_dying(message: str) -> Exception:
-    """A ``distributed.KilledWorker`` with ``message``: the factorization turns it into
-    its :class:`~dkicf.errors.WorkerFailureError` (stage, iteration, checkpoint)."""
-    return _kept_dying_class()(message, None, 0)
-
-
-def _drop_preferences(keys: list, dask_scheduler=None) -> int:
-    """On the scheduler: forget the preferred workers of these tasks (those that exist)."""
-    dropped = 0
-    for key in keys:
-        ts = dask_scheduler.tasks.get(key)
-        if ts is not None and ts.loose_restrictions and ts.worker_restrictions:
-            ts.worker_restrictions = None
-            dropped += 1
-    return dropped
-
-
-def _stall_report(token: str, dask_scheduler=None) -> dict:
-    """On the scheduler: unstick this fit's stranded tasks; report what a waiting pass faces.
-
-    A task that only prefers a worker (``allow_other_workers=True``) and
-    becomes runnable while no worker is running waits in ``no-worker``; the
-    scheduler reconsiders such tasks when a worker joins, but only for that
-    worker's address, so a task preferring a worker that died waits for
-    ever once the replacements (new addresses) have joined.  Their
-    preference is dropped and they are scheduled like any other task
-    (``moved``: how many).  ``paused``: ``(key, worker, process memory,
-    memory limit)`` for the fit's tasks that wait on a paused worker, or
-    for none running at all.  ``deaths``: how many workers the scheduler
-    has lost unexpectedly (killed, restarted), ``last_death`` the last;
-    ``workers``: the workers' addresses.
-    """
-    import time
-
-    from distributed.core import Status
-
-    s = dask_scheduler
-    mine = [ts for ts in list(s.unrunnable) if token in str(ts.key)]
-    moved = 0
-    if s.running:
-        stuck = [ts for ts in mine if ts.loose_restrictions]
-        for ts in stuck:
-            ts.worker_restrictions = None
-        if stuck:
-            s.transitions({ts.key: "processing" for ts in stuck},
-                          stimulus_id=f"dkicf-unstrand-{time.time()}")
-        moved = len(stuck)
-    paused = []
-    for ws in s.workers.values():
-        if ws.status != Status.paused:
-            continue
-        waiting = [ts for ts in ws.processing if token in str(ts.key)]
-        if waiting or (mine and not s.running):
-            key = (waiting or mine)[0].key
-            paused.append((str(key), ws.address, int(ws.memory.process),
-                           int(ws.memory_limit or 0)))
-    deaths, last = 0, None
-    try:
-        events = s.get_events("all")
-    except Exception:  # pragma: no cover - a scheduler without an event log
-        events = ()
-    for _, msg in events:
-        if (isinstance(msg, dict) and msg.get("action") == "remove-worker"
-                and not msg.get("expected", False)):
-            deaths, last = deaths + 1, msg.get("worker")
-    return {"moved": moved, "paused": paused, "deaths": deaths, "last_death": last,
-            "workers": list(s.workers)}
-
-
-async def _drop_topic(topic: str, dask_scheduler=None, wait: float = 2.0) -> bool:
-    """On the scheduler: forget an event topic and its stored events (best effort).
-
-    The client's unsubscription travels on its stream, not with this call,
-    and may come second: the scheduler would then create the topic again,
-    empty, to unsubscribe from it.  So the topic is dropped once it has no
-    subscriber left, or after ``wait`` seconds.
-    """
-    import asyncio
-    import time
-
-    broker = getattr(dask_scheduler, "_broker", None)
-    topics = getattr(broker, "_topics", None)
-    if topics is None or topic not in topics:
-        return False
-    deadline = time.monotonic() + wait
-    while topics.get(topic) is not None and topics[topic].subscribers:
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.01)
-    found = topics.pop(topic, None)
-    if found is not None:
-        found.truncate()
-    return found is not None
-
-
 def _top_share(count: int, rows: int, n: int) -> int:
     """Largest residuals a chunk of ``rows`` of ``n`` sends of the ``count`` largest overall:
     twice its share, and at least 64 more."""
@@ -1049,63 +841,6 @@ def _stash_share(count: int, rows: int, n: int) -> int:
     return int(min(count, math.ceil(4 * count * rows / max(n, 1)) + 64))
 
 
-def _placement(client, chunks) -> list[str | None]:
-    """A home worker for each row chunk: consecutive runs, rows in proportion to threads."""
-    try:
-        info = client.scheduler_info(n_workers=-1)
-    except TypeError:  # distributed < 2025: all workers by default
-        info = client.scheduler_info()
-    workers = sorted(
-        (addr, int(w.get("nthreads") or 1)) for addr, w in info.get("workers", {}).items()
-    )
-    if len(workers) < 2:
-        return [None] * len(chunks)
-    total = float(sum(chunks)) or 1.0
-    threads = float(sum(t for _, t in workers))
-    bounds = np.cumsum([t / threads for _, t in workers]) * total
-    homes = []
-    start = 0
-    for c in chunks:
-        middle = start + c / 2.0
-        w = min(int(np.searchsorted(bounds, middle, side="right")), len(workers) - 1)
-        homes.append(workers[w][0])
-        start += c
-    return homes
-
-
-def _identity(x):
-    return x
-
-
-def _own_copy(*parts) -> np.ndarray:
-    """The row chunks ``parts`` as one new C-ordered array."""
-    if len(parts) == 1:
-        return np.array(parts[0], order="C", copy=True)
-    return np.concatenate(parts, axis=0)
-
-
-def _holders(client, X) -> list[str] | None:
-    """The worker holding each row chunk of ``X``, if all are in worker memory (else None)."""
-    from dask.core import flatten
-
-    keys = list(flatten(X.__dask_keys__()))
-    try:
-        found = client.run_on_scheduler(_who_holds, keys=keys)
-    except Exception:  # best effort: the chunks are then placed as if not held
-        return None
-    return found if found and all(found) else None
-
-
-def _who_holds(keys: list, dask_scheduler=None) -> list:
-    """On the scheduler: one worker holding each key in memory (None where none does)."""
-    out = []
-    for key in keys:
-        ts = dask_scheduler.tasks.get(key)
-        holders = sorted(ws.address for ws in ts.who_has) if ts is not None else []
-        out.append(holders[0] if holders else None)
-    return out
-
-
 _INLINE_BLOCK_BYTES = 1 << 20
 # Candidate statistics an update pass may send as events, over all chunks
 # (residuals and row indices; each entry is a Python number in the
@@ -1113,7 +848,7 @@ _INLINE_BLOCK_BYTES = 1 << 20
 _PREFETCH_ENTRIES = 1 << 16
 
 
-def _block_nbytes(block: _chunk.PivotBlock) -> int:
+def _block_nbytes(block: PivotBlock) -> int:
     return block.rows.nbytes + block.U.nbytes + block.L.nbytes + 64
 
 

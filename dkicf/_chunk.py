@@ -21,7 +21,6 @@ re-running a task writes identical bytes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import mmap
@@ -30,10 +29,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.linalg.blas import dtrsm as _dtrsm
-from threadpoolctl import ThreadpoolController
 
 from ._candidates import _top_rows, chunk_block_stats, rows_reaching_top
+from ._factor import History, PivotBlock
 from ._memory import _STREAM_BYTES
+from ._services import LazyChunk, materialize, report_summary, threadpool_limits
 from .kernels import Kernel
 
 _FLOAT = np.float64
@@ -43,16 +43,6 @@ _FLOAT = np.float64
 # with a low MALLOC_TRIM_THRESHOLD_, which makes large temporaries page-fault
 # on every allocation).
 ROW_BLOCK = 8192
-
-_CONTROLLER: ThreadpoolController | None = None
-
-
-def threadpool_limits(limits: int = 1):
-    """Limit BLAS threads inside a task; the library scan is done once per process."""
-    global _CONTROLLER
-    if _CONTROLLER is None:
-        _CONTROLLER = ThreadpoolController()
-    return _CONTROLLER.limit(limits=limits, user_api="blas")
 
 
 # Buffers at least this large are mapped with transparent huge pages advised.
@@ -99,30 +89,6 @@ class NonFiniteError(ValueError):
     """X holds NaN or infinity."""
 
 
-@dataclass
-class PivotBlock:
-    """What the driver sends to every chunk to add ``b`` pivots at rank ``i``.
-
-    Attributes
-    ----------
-    kernel : Kernel
-    index : (b,) global row indices of the new pivots, in selection order.
-    rows : (b, d) float64 rows of X of the new pivots.
-    aux : (b,) kernel auxiliary values of those rows, or None.
-    U : (b, i) rows of P of the new pivots (columns before the block).
-    L : (b, b) lower-triangular Cholesky factor of ``K_TT - U U^T``.
-    rank : i, the number of columns before the block.
-    """
-
-    kernel: Kernel
-    index: np.ndarray
-    rows: np.ndarray
-    aux: np.ndarray | None
-    U: np.ndarray
-    L: np.ndarray
-    rank: int
-
-
 @dataclass(frozen=True)
 class StoreSpec:
     """Where chunk tasks find the Zarr arrays of one fit (a few strings: cheap to ship).
@@ -165,8 +131,6 @@ def _open_array(root: str, path: str, token: str, options: str):
 
     kw = {"storage_options": json.loads(options)} if options else {}
     return zarr.open_array(store=root, path=path or None, mode="r+", **kw)
-
-
 
 
 class ChunkState:
@@ -288,46 +252,6 @@ class ChunkState:
             start = max(lo, f)
             out[:, start - lo :] = self.P[:, start - f : hi - f]
         return out
-
-
-class LazyChunk:
-    """A row chunk of X that is read from its source (e.g. Zarr) only inside a task.
-
-    Streaming passes hand tasks this small object instead of a future holding
-    the chunk, so no chunk stays in memory longer than the task that reads it.
-    It carries only the tasks that produce its chunk (a few reads of the
-    source), not the graph of the whole array: every pass ships one per
-    task, and the scheduler keeps them while the task's result is in memory.
-    """
-
-    __slots__ = ("graph", "key")
-
-    def __init__(self, graph: dict, key):
-        self.graph = graph
-        self.key = key
-
-    @classmethod
-    def row_chunks(cls, X) -> list:
-        """One :class:`LazyChunk` per row chunk of the dask array ``X`` (one column chunk)."""
-        from dask.core import flatten
-        from dask.optimization import cull
-
-        graph = dict(X.__dask_graph__())
-        return [cls(cull(graph, [key])[0], key) for key in flatten(X.__dask_keys__())]
-
-    def read(self) -> np.ndarray:
-        from dask.local import get_sync
-
-        return np.asarray(get_sync(self.graph, self.key))
-
-    def __array__(self, dtype=None, copy=None):
-        out = self.read()
-        return out if dtype is None else out.astype(dtype, copy=False)
-
-
-def materialize(x):
-    """The chunk as a numpy array (reading it if it is a :class:`LazyChunk`)."""
-    return x.read() if isinstance(x, LazyChunk) else x
 
 
 def as_float(x: np.ndarray) -> np.ndarray:
@@ -812,40 +736,6 @@ def chunk_update(
     return new
 
 
-def report_summary(report: tuple, summary: dict) -> None:
-    """Send a chunk's summary to the driver as an event of this dask worker.
-
-    The event travels with the worker's task-finished message, so the driver
-    learns the summary one scheduler round trip earlier than by running a
-    task to fetch it.  Floats go as Python floats, bit for bit.
-    """
-    from distributed import get_worker
-
-    topic, step, chunk = report
-    msg = {"step": int(step), "chunk": int(chunk)}
-    for key, value in summary.items():
-        if isinstance(value, np.ndarray):
-            value = {"shape": list(value.shape), "dtype": value.dtype.str,
-                     "data": value.ravel().tolist()}
-        msg[key] = value
-    get_worker().log_event(topic, msg)
-
-
-def summary_from_event(msg: dict) -> dict:
-    """The summary dict of :func:`chunk_stats` from a :func:`report_summary` event."""
-    out = {}
-    for key, value in msg.items():
-        if key in ("step", "chunk"):
-            continue
-        if isinstance(value, dict) and "shape" in value:
-            value = np.array(value["data"], dtype=value["dtype"]).reshape(value["shape"])
-        if key.startswith("block_stats."):
-            out.setdefault("block_stats", {})[key.split(".", 1)[1]] = value
-        else:
-            out[key] = value
-    return out
-
-
 def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> ChunkState:
     """:func:`chunk_update` for a chunk whose first ``flushed`` columns are in Zarr.
 
@@ -930,15 +820,6 @@ def chunk_write_e(state: ChunkState, spec: StoreSpec, name: str) -> None:
     spec.array(name)[state.offset : state.offset + state.n_rows] = state.e
 
 
-def chunk_digest(x: np.ndarray) -> str:
-    """Hex digest of a chunk of X's bytes (with its dtype and shape): the data's fingerprint."""
-    x = np.ascontiguousarray(x)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{x.dtype.str}{x.shape}".encode())
-    h.update(memoryview(x).cast("B"))
-    return h.hexdigest()
-
-
 def chunk_restore(
     x: np.ndarray,
     previous_key: str | None,
@@ -1010,84 +891,6 @@ def chunk_P(state: ChunkState, rank: int) -> np.ndarray:
 
 def chunk_residual(state: ChunkState) -> np.ndarray:
     return state.e
-
-
-class History:
-    """The pivots chosen so far, in blocks: enough to rebuild any chunk's state.
-
-    Every chunk's rows of P are a deterministic function of its rows of X and
-    of this history (the blocks replayed in order give bit-identical columns),
-    which is what lets the distributed backend cut task lineage and still
-    recover a chunk that a dead worker took with it.
-    """
-
-    def __init__(self, kernel: Kernel, capacity: int, n_features: int):
-        self.kernel = kernel
-        self.index = np.empty(capacity, dtype=np.int64)
-        self.rows = np.empty((capacity, n_features))
-        self.aux = None
-        self.L = np.zeros((capacity, capacity))
-        self.bounds: list[int] = [0]
-
-    @property
-    def rank(self) -> int:
-        return self.bounds[-1]
-
-    def append(self, block: PivotBlock) -> None:
-        i, b = block.rank, block.index.shape[0]
-        if i != self.rank:
-            raise RuntimeError(f"history at rank {self.rank} received a block for rank {i}")
-        self.index[i : i + b] = block.index
-        self.rows[i : i + b] = block.rows
-        if block.aux is not None:
-            if self.aux is None:
-                self.aux = np.empty(self.index.shape[0])
-            self.aux[i : i + b] = block.aux
-        self.L[i : i + b, :i] = block.U
-        self.L[i : i + b, i : i + b] = block.L
-        self.bounds.append(i + b)
-
-    def block(self, k: int) -> PivotBlock:
-        """The ``k``-th block, exactly as it was sent."""
-        i, j = self.bounds[k], self.bounds[k + 1]
-        return PivotBlock(
-            kernel=self.kernel,
-            index=self.index[i:j].copy(),
-            rows=self.rows[i:j].copy(),
-            aux=None if self.aux is None else self.aux[i:j].copy(),
-            U=self.L[i:j, :i].copy(),
-            L=self.L[i:j, i:j].copy(),
-            rank=i,
-        )
-
-    @classmethod
-    def restore(
-        cls, kernel: Kernel, capacity: int, index, rows, aux, L, bounds: list[int]
-    ) -> History:
-        """The history of a checkpoint: its first ``bounds[-1]`` pivots and blocks."""
-        rows = np.asarray(rows, dtype=_FLOAT)
-        h = cls(kernel, capacity, rows.shape[1])
-        r = bounds[-1]
-        h.index[:r] = index
-        h.rows[:r] = rows
-        if aux is not None:
-            h.aux = np.empty(capacity)
-            h.aux[:r] = aux
-        h.L[:r, :r] = L
-        h.bounds = [int(b) for b in bounds]
-        return h
-
-    def snapshot(self) -> History:
-        """A compact copy (only the filled part) to ship to workers."""
-        r = self.rank
-        h = History.__new__(History)
-        h.kernel = self.kernel
-        h.index = self.index[:r].copy()
-        h.rows = self.rows[:r].copy()
-        h.aux = None if self.aux is None else self.aux[:r].copy()
-        h.L = self.L[:r, :r].copy()
-        h.bounds = list(self.bounds)
-        return h
 
 
 def chunk_rebase(

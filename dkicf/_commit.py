@@ -208,7 +208,7 @@ class StateCheckpoint:
     input : dict, optional
         Fingerprint of the data, checked the same way: ``shape``, ``dtype``,
         ``chunks`` (row chunks) and ``digests`` (one per row chunk, as
-        :func:`dkicf._chunk.chunk_digest` gives), or any subset of them.
+        :func:`dkicf._services.chunk_digest` gives), or any subset of them.
     resume, overwrite : bool
         As for :func:`dkicf.incomplete_cholesky`.
     storage_options : dict, optional

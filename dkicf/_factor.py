@@ -1,4 +1,4 @@
-"""The factorization's result and progress records, and the cut of a factor to a rank.
+"""The factorization's records: pivot blocks, the pivot history, progress and result.
 
 Below both the driver loop (:mod:`dkicf.icf`) and the storage that rebuilds a
 finished factorization from a checkpoint (:mod:`dkicf.checkpoint`).
@@ -15,7 +15,7 @@ from scipy.linalg import solve_triangular
 from ._validation import is_dask_array
 from .kernels import Kernel
 
-__all__ = ["ICFProgress", "ICFResult", "cut_factor"]
+__all__ = ["History", "ICFProgress", "ICFResult", "PivotBlock", "cut_factor"]
 
 
 @dataclass
@@ -138,3 +138,105 @@ def _squares_by_column(A) -> np.ndarray:
     for k in range(1, A.shape[1]):
         out += A[:, k] * A[:, k]
     return out
+
+
+@dataclass
+class PivotBlock:
+    """What the driver sends to every chunk to add ``b`` pivots at rank ``i``.
+
+    Attributes
+    ----------
+    kernel : Kernel
+    index : (b,) global row indices of the new pivots, in selection order.
+    rows : (b, d) float64 rows of X of the new pivots.
+    aux : (b,) kernel auxiliary values of those rows, or None.
+    U : (b, i) rows of P of the new pivots (columns before the block).
+    L : (b, b) lower-triangular Cholesky factor of ``K_TT - U U^T``.
+    rank : i, the number of columns before the block.
+    """
+
+    kernel: Kernel
+    index: np.ndarray
+    rows: np.ndarray
+    aux: np.ndarray | None
+    U: np.ndarray
+    L: np.ndarray
+    rank: int
+
+
+class History:
+    """The pivots chosen so far, in blocks: enough to rebuild any chunk's state.
+
+    Every chunk's rows of P are a deterministic function of its rows of X and
+    of this history (the blocks replayed in order give bit-identical columns),
+    which is what lets the distributed backend cut task lineage and still
+    recover a chunk that a dead worker took with it.
+    """
+
+    def __init__(self, kernel: Kernel, capacity: int, n_features: int):
+        self.kernel = kernel
+        self.index = np.empty(capacity, dtype=np.int64)
+        self.rows = np.empty((capacity, n_features))
+        self.aux = None
+        self.L = np.zeros((capacity, capacity))
+        self.bounds: list[int] = [0]
+
+    @property
+    def rank(self) -> int:
+        return self.bounds[-1]
+
+    def append(self, block: PivotBlock) -> None:
+        i, b = block.rank, block.index.shape[0]
+        if i != self.rank:
+            raise RuntimeError(f"history at rank {self.rank} received a block for rank {i}")
+        self.index[i : i + b] = block.index
+        self.rows[i : i + b] = block.rows
+        if block.aux is not None:
+            if self.aux is None:
+                self.aux = np.empty(self.index.shape[0])
+            self.aux[i : i + b] = block.aux
+        self.L[i : i + b, :i] = block.U
+        self.L[i : i + b, i : i + b] = block.L
+        self.bounds.append(i + b)
+
+    def block(self, k: int) -> PivotBlock:
+        """The ``k``-th block, exactly as it was sent."""
+        i, j = self.bounds[k], self.bounds[k + 1]
+        return PivotBlock(
+            kernel=self.kernel,
+            index=self.index[i:j].copy(),
+            rows=self.rows[i:j].copy(),
+            aux=None if self.aux is None else self.aux[i:j].copy(),
+            U=self.L[i:j, :i].copy(),
+            L=self.L[i:j, i:j].copy(),
+            rank=i,
+        )
+
+    @classmethod
+    def restore(
+        cls, kernel: Kernel, capacity: int, index, rows, aux, L, bounds: list[int]
+    ) -> History:
+        """The history of a checkpoint: its first ``bounds[-1]`` pivots and blocks."""
+        rows = np.asarray(rows, dtype=np.float64)
+        h = cls(kernel, capacity, rows.shape[1])
+        r = bounds[-1]
+        h.index[:r] = index
+        h.rows[:r] = rows
+        if aux is not None:
+            h.aux = np.empty(capacity)
+            h.aux[:r] = aux
+        h.L[:r, :r] = L
+        h.bounds = [int(b) for b in bounds]
+        return h
+
+    def snapshot(self) -> History:
+        """A compact copy (only the filled part) to ship to workers."""
+        r = self.rank
+        h = History.__new__(History)
+        h.kernel = self.kernel
+        h.index = self.index[:r].copy()
+        h.rows = self.rows[:r].copy()
+        h.aux = None if self.aux is None else self.aux[:r].copy()
+        h.L = self.L[:r, :r].copy()
+        h.bounds = list(self.bounds)
+        return h

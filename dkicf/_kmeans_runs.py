@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ._chunk import chunk_digest
 from ._commit import StateCheckpoint
 from ._kmeans_config import KMeansProgress, KMeansResult, _Config
 from ._kmeans_tasks import _check_finite, _cluster_sums, _full_pass, _nearest
+from ._services import chunk_digest
 from .errors import worker_failure
 
 logger = logging.getLogger("dkicf.kmeans")

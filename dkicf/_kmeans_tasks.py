@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from scipy import sparse
 
-from ._chunk import LazyChunk, chunk_digest, materialize, threadpool_limits
 from ._cluster import get_client
 from ._memory import _gib, _worker_resources
+from ._services import LazyChunk, chunk_digest, materialize, threadpool_limits
 from ._validation import is_dask_array
 
 # Rows x centres of the distance block a chunk kernel holds at once.

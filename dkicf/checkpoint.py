@@ -51,8 +51,9 @@ from ._commit import (
     _location,
     _phase,
 )
-from ._factor import ICFResult, cut_factor
+from ._factor import History, ICFResult, cut_factor
 from ._memory import _ROWS_HIGH, check_worker_memory, p_rows_for, store_columns
+from ._services import chunk_digest
 from ._validation import check_positive_int
 
 __all__ = ["open_storage", "p_rows_for"]
@@ -99,7 +100,7 @@ def _new_p_array(group_or_url, name, n, capacity, p_rows, cb, attrs=None, option
 def _digests(X, dask_input: bool, client) -> list[str]:
     """One digest per row chunk of X (one extra pass over the data for dask input)."""
     if not dask_input:
-        return [_chunk.chunk_digest(X)]
+        return [chunk_digest(X)]
     c = get_client(client)
     futs = c.compute([_delayed_digest(b) for b in X.to_delayed().ravel()])
     return c.gather(futs)
@@ -108,7 +109,7 @@ def _digests(X, dask_input: bool, client) -> list[str]:
 def _delayed_digest(block):
     import dask
 
-    return dask.delayed(_chunk.chunk_digest, pure=True)(block)
+    return dask.delayed(chunk_digest, pure=True)(block)
 
 
 # --------------------------------------------------------------------------- storage objects
@@ -301,14 +302,14 @@ class Checkpoint(_Storage):
 
     # ------------------------------------------------------------------ reading
 
-    def _load_history(self, kernel, capacity: int) -> _chunk.History:
+    def _load_history(self, kernel, capacity: int) -> History:
         import zarr
 
         c = self.commit
         r = c["rank"]
         group = zarr.open_group(store=self.url, mode="r", **self.ckpt_spec.zarr_kwargs())
         aux = np.asarray(group["pivot_aux"][:r]) if c["has_aux"] else None
-        return _chunk.History.restore(
+        return History.restore(
             kernel, capacity, np.asarray(c["pivots"], dtype=np.int64),
             np.asarray(group["pivot_rows"][:r]), aux, np.asarray(group["L"][:r, :r]),
             c["bounds"],

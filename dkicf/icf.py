@@ -26,10 +26,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import _chunk
 from . import pivoting as _pivoting
 from ._backends import DaskBackend, NumpyBackend
-from ._factor import ICFProgress, ICFResult, cut_factor
+from ._factor import History, ICFProgress, ICFResult, PivotBlock, cut_factor
 from ._validation import check_array_2d, is_dask_array
 from .checkpoint import open_storage
 from .errors import DegenerateKernelWarning, worker_failure, worker_failure_types
@@ -374,7 +373,7 @@ def _greedy_loop(
     max_diag = float(summary["values"][0]) if summary["values"].size else 0.0
     if rank_tol is None:
         rank_tol = _EPS * max_diag * max(n, kernel.roundoff(summary.get("max_sqnorm", 0.0), d))
-    history = _chunk.History(kernel, capacity, d)
+    history = History(kernel, capacity, d)
     trace_errors: list[float] = []
     stop = "max_rank"
     trace = initial_trace
@@ -390,7 +389,7 @@ def _greedy_loop(
             break
         t = int(summary["index"][0])
         e_t = float(summary["values"][0])
-        block = _chunk.PivotBlock(
+        block = PivotBlock(
             kernel=kernel,
             index=np.array([t], dtype=np.int64),
             rows=summary["x_rows"][:1],
@@ -478,7 +477,7 @@ def _block_loop(
         rank_tol = _EPS * max_diag * max(n, roundoff)
     sizer = _pivoting.BlockSizer(rule, capacity, n, d, _rows_per_task(backend, n), block_size,
                                  getattr(backend, "task_bytes", None))
-    history = _chunk.History(kernel, capacity, d)
+    history = History(kernel, capacity, d)
     trace_errors: list[float] = []
     blocks: list[tuple[int, int, str]] = []  # (candidates, pivots, why the block ended)
     trace = initial_trace
@@ -584,7 +583,7 @@ def _block_loop(
         b = order.shape[0]
         blocks.append((m_used, b, choice.reason))
         sizer.update(i, m_used, b, choice.reason)
-        block = _chunk.PivotBlock(
+        block = PivotBlock(
             kernel=kernel,
             index=cand.index[order],
             rows=cand.rows[order],
@@ -661,9 +660,9 @@ def _single_pass(blocks: list, n: int, m: int) -> bool:
     return streak > 0 and since < min(2 ** (streak - 1), limit)
 
 
-def _single_block(kernel, summary, rank: int) -> _chunk.PivotBlock:
+def _single_block(kernel, summary, rank: int) -> PivotBlock:
     """The pivot block of the largest residual alone (from a pass's summary)."""
-    return _chunk.PivotBlock(
+    return PivotBlock(
         kernel=kernel,
         index=np.array([int(summary["index"][0])], dtype=np.int64),
         rows=summary["x_rows"][:1],

@@ -16,7 +16,7 @@ import dask.array as da
 import numpy as np
 import pytest
 
-from dkicf import _backends, _chunk, _memory, incomplete_cholesky
+from dkicf import _backends, _chunk, _memory, _services, incomplete_cholesky
 from dkicf.errors import WorkerFailureError
 from dkicf.pipeline import plan_fit
 
@@ -291,8 +291,8 @@ def test_a_pass_held_by_paused_workers_fails_instead_of_waiting(own_cluster, mon
 
     client = own_cluster
     client.wait_for_workers(2)
-    monkeypatch.setattr(_backends, "_STALL_SECONDS", 0.5)
-    monkeypatch.setattr(_backends, "_PAUSED_SECONDS", 3.0)
+    monkeypatch.setattr(_services, "_STALL_SECONDS", 0.5)
+    monkeypatch.setattr(_services, "_PAUSED_SECONDS", 3.0)
     X = da.from_array(np.random.default_rng(1).normal(size=(400, 2)), chunks=100)
 
     def pause(dask_worker):
@@ -340,8 +340,8 @@ def test_workers_dying_again_and_again_fail_the_fit_instead_of_hanging(monkeypat
     of waiting for ever."""
     from dkicf import local_cluster
 
-    monkeypatch.setattr(_backends, "_STALL_SECONDS", 0.5)
-    monkeypatch.setattr(_backends, "_NO_WORKERS_SECONDS", 5.0)
+    monkeypatch.setattr(_services, "_STALL_SECONDS", 0.5)
+    monkeypatch.setattr(_services, "_NO_WORKERS_SECONDS", 5.0)
     client = local_cluster(2, 1, memory_limit="1GiB")
     X = da.from_array(np.random.default_rng(2).normal(size=(400, 2)), chunks=100)
     stop = threading.Event()

@@ -1,0 +1,391 @@
+"""Cluster services shared by the engine and the k-means.
+
+What a distributed stage needs besides its algorithm: chunks read lazily
+inside tasks, BLAS threads limited per task, chunk digests (the data's
+fingerprint), summaries sent as dask events and their inbox on the driver,
+the placement of row chunks on workers, and the scheduler-side checks that
+unstick or diagnose a pass that waits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+_CONTROLLER: ThreadpoolController | None = None
+
+
+def threadpool_limits(limits: int = 1):
+    """Limit BLAS threads inside a task; the library scan is done once per process."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=limits, user_api="blas")
+
+
+class LazyChunk:
+    """A row chunk of X that is read from its source (e.g. Zarr) only inside a task.
+
+    Streaming passes hand tasks this small object instead of a future holding
+    the chunk, so no chunk stays in memory longer than the task that reads it.
+    It carries only the tasks that produce its chunk (a few reads of the
+    source), not the graph of the whole array: every pass ships one per
+    task, and the scheduler keeps them while the task's result is in memory.
+    """
+
+    __slots__ = ("graph", "key")
+
+    def __init__(self, graph: dict, key):
+        self.graph = graph
+        self.key = key
+
+    @classmethod
+    def row_chunks(cls, X) -> list:
+        """One :class:`LazyChunk` per row chunk of the dask array ``X`` (one column chunk)."""
+        from dask.core import flatten
+        from dask.optimization import cull
+
+        graph = dict(X.__dask_graph__())
+        return [cls(cull(graph, [key])[0], key) for key in flatten(X.__dask_keys__())]
+
+    def read(self) -> np.ndarray:
+        from dask.local import get_sync
+
+        return np.asarray(get_sync(self.graph, self.key))
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.read()
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def materialize(x):
+    """The chunk as a numpy array (reading it if it is a :class:`LazyChunk`)."""
+    return x.read() if isinstance(x, LazyChunk) else x
+
+
+def report_summary(report: tuple, summary: dict) -> None:
+    """Send a chunk's summary to the driver as an event of this dask worker.
+
+    The event travels with the worker's task-finished message, so the driver
+    learns the summary one scheduler round trip earlier than by running a
+    task to fetch it.  Floats go as Python floats, bit for bit.
+    """
+    from distributed import get_worker
+
+    topic, step, chunk = report
+    msg = {"step": int(step), "chunk": int(chunk)}
+    for key, value in summary.items():
+        if isinstance(value, np.ndarray):
+            value = {"shape": list(value.shape), "dtype": value.dtype.str,
+                     "data": value.ravel().tolist()}
+        msg[key] = value
+    get_worker().log_event(topic, msg)
+
+
+def summary_from_event(msg: dict) -> dict:
+    """The summary dict of :func:`chunk_stats` from a :func:`report_summary` event."""
+    out = {}
+    for key, value in msg.items():
+        if key in ("step", "chunk"):
+            continue
+        if isinstance(value, dict) and "shape" in value:
+            value = np.array(value["data"], dtype=value["dtype"]).reshape(value["shape"])
+        if key.startswith("block_stats."):
+            out.setdefault("block_stats", {})[key.split(".", 1)[1]] = value
+        else:
+            out[key] = value
+    return out
+
+
+def chunk_digest(x: np.ndarray) -> str:
+    """Hex digest of a chunk of X's bytes (with its dtype and shape): the data's fingerprint."""
+    x = np.ascontiguousarray(x)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{x.dtype.str}{x.shape}".encode())
+    h.update(memoryview(x).cast("B"))
+    return h.hexdigest()
+
+
+class _EventInbox:
+    """Chunk summaries that update tasks send as dask events (see ``report_summary``).
+
+    One scheduler round trip shorter than fetching each summary with a task.
+    The futures stay the source of truth: a task that fails raises here, a
+    task re-run after a worker died reports again (the same values), and if
+    a report has not arrived when its task is finished the caller falls back
+    to summary tasks.
+    """
+
+    def __init__(self, client, topic: str):
+        import threading
+
+        self.client = client
+        self.topic = topic
+        # Called while a collect waits for unfinished tasks (DaskBackend._on_stall).
+        self.on_stall = None
+        self._got: dict[tuple[int, int], dict] = {}
+        self._cond = threading.Condition()
+        self._subscribed = False
+        try:
+            client.subscribe_topic(topic, self._receive)
+            self._subscribed = True
+        except Exception:  # pragma: no cover - a client without events: summary tasks
+            pass
+
+    def _receive(self, event) -> None:
+        _, msg = event
+        with self._cond:
+            self._got[(int(msg["step"]), int(msg["chunk"]))] = msg
+            self._cond.notify_all()
+
+    def collect(self, step: int, futures: list, grace: float = 1.0) -> list[dict] | None:
+        """The summaries of ``step`` in chunk order, or None to fetch them with tasks.
+
+        :attr:`on_stall` (if set) is called every :data:`_STALL_SECONDS` that
+        some of ``futures`` are not finished (see :meth:`DaskBackend._on_stall`).
+        """
+        import time
+
+        on_stall = self.on_stall
+
+        if not self._subscribed:
+            return None
+        wanted = [(step, j) for j in range(len(futures))]
+        done_since = None
+        stall_at = time.monotonic() + _STALL_SECONDS
+        while True:
+            with self._cond:
+                if all(k in self._got for k in wanted):
+                    msgs = [self._got.pop(k) for k in wanted]
+                    # Reports of earlier steps (duplicates from re-runs) are stale.
+                    for k in [k for k in self._got if k[0] <= step]:
+                        del self._got[k]
+                    return [summary_from_event(msg) for msg in msgs]
+                self._cond.wait(timeout=0.2)
+            # Outside the lock: the client's event loop, which delivers the
+            # reports, is the one that resolves these futures.
+            bad = [f for f in futures if f.status in ("error", "cancelled")]
+            if bad:
+                bad[0].result()  # raises the task's error
+            if all(f.status == "finished" for f in futures):
+                done_since = done_since or time.monotonic()
+                if time.monotonic() - done_since > grace:
+                    return None
+            else:
+                done_since = None
+                if on_stall is not None and time.monotonic() > stall_at:
+                    on_stall()
+                    stall_at = time.monotonic() + _STALL_SECONDS
+
+    def close(self) -> None:
+        """Unsubscribe, and drop the topic's events from the scheduler's log.
+
+        The scheduler keeps the last events of every topic (1,000 by
+        default) for as long as it runs; a fit's summaries are of no use
+        once it has ended, and a long-lived scheduler would otherwise hold
+        them for every fit.
+        """
+        if self._subscribed:
+            try:
+                self.client.unsubscribe_topic(self.topic)
+                if self.client.status == "running":  # not after the cluster went away
+                    self.client.run_on_scheduler(_drop_topic, topic=self.topic)
+            except Exception:  # pragma: no cover - client closed, or no remote functions
+                pass
+            self._subscribed = False
+
+
+# Seconds of waiting for a pass's tasks between looks for stranded ones.
+_STALL_SECONDS = 5.0
+
+
+# Seconds a pass may wait on workers that dask paused before the fit fails.
+_PAUSED_SECONDS = 60.0
+
+
+# Seconds a pass may wait with no worker at all in the cluster (all died, none
+# came back) before the fit fails.
+_NO_WORKERS_SECONDS = 300.0
+
+
+def _deaths_allowed(n_workers: int) -> int:
+    """Worker deaths that a pass may see without completing before the fit fails.
+
+    As many as would fail one task with dask's ``allowed-failures`` on every
+    worker: a pass whose tasks keep killing their workers, each time a
+    different task (as workers over their memory limit do), fails like a
+    single task that does.
+    """
+    import dask
+
+    allowed = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
+    return (allowed + 1) * max(1, n_workers)
+
+
+@functools.cache
+def _kept_dying_class() -> type:
+    """A ``distributed.KilledWorker`` whose message is its own (made once, on first use)."""
+    from distributed import KilledWorker
+
+    class WorkersKeptDying(KilledWorker):
+        """Workers kept dying while a pass waited, whichever tasks they ran."""
+
+        def __str__(self) -> str:
+            return str(self.args[0])
+
+    return WorkersKeptDying
+
+
+def _workers_kept_dying(message: str) -> Exception:
+    """A ``distributed.KilledWorker`` with ``message``: the factorization turns it into
+    its :class:`~dkicf.errors.WorkerFailureError` (stage, iteration, checkpoint)."""
+    return _kept_dying_class()(message, None, 0)
+
+
+def _drop_preferences(keys: list, dask_scheduler=None) -> int:
+    """On the scheduler: forget the preferred workers of these tasks (those that exist)."""
+    dropped = 0
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None and ts.loose_restrictions and ts.worker_restrictions:
+            ts.worker_restrictions = None
+            dropped += 1
+    return dropped
+
+
+def _stall_report(token: str, dask_scheduler=None) -> dict:
+    """On the scheduler: unstick this fit's stranded tasks; report what a waiting pass faces.
+
+    A task that only prefers a worker (``allow_other_workers=True``) and
+    becomes runnable while no worker is running waits in ``no-worker``; the
+    scheduler reconsiders such tasks when a worker joins, but only for that
+    worker's address, so a task preferring a worker that died waits for
+    ever once the replacements (new addresses) have joined.  Their
+    preference is dropped and they are scheduled like any other task
+    (``moved``: how many).  ``paused``: ``(key, worker, process memory,
+    memory limit)`` for the fit's tasks that wait on a paused worker, or
+    for none running at all.  ``deaths``: how many workers the scheduler
+    has lost unexpectedly (killed, restarted), ``last_death`` the last;
+    ``workers``: the workers' addresses.
+    """
+    import time
+
+    from distributed.core import Status
+
+    s = dask_scheduler
+    mine = [ts for ts in list(s.unrunnable) if token in str(ts.key)]
+    moved = 0
+    if s.running:
+        stuck = [ts for ts in mine if ts.loose_restrictions]
+        for ts in stuck:
+            ts.worker_restrictions = None
+        if stuck:
+            s.transitions({ts.key: "processing" for ts in stuck},
+                          stimulus_id=f"dkicf-unstrand-{time.time()}")
+        moved = len(stuck)
+    paused = []
+    for ws in s.workers.values():
+        if ws.status != Status.paused:
+            continue
+        waiting = [ts for ts in ws.processing if token in str(ts.key)]
+        if waiting or (mine and not s.running):
+            key = (waiting or mine)[0].key
+            paused.append((str(key), ws.address, int(ws.memory.process),
+                           int(ws.memory_limit or 0)))
+    deaths, last = 0, None
+    try:
+        events = s.get_events("all")
+    except Exception:  # pragma: no cover - a scheduler without an event log
+        events = ()
+    for _, msg in events:
+        if (isinstance(msg, dict) and msg.get("action") == "remove-worker"
+                and not msg.get("expected", False)):
+            deaths, last = deaths + 1, msg.get("worker")
+    return {"moved": moved, "paused": paused, "deaths": deaths, "last_death": last,
+            "workers": list(s.workers)}
+
+
+async def _drop_topic(topic: str, dask_scheduler=None, wait: float = 2.0) -> bool:
+    """On the scheduler: forget an event topic and its stored events (best effort).
+
+    The client's unsubscription travels on its stream, not with this call,
+    and may come second: the scheduler would then create the topic again,
+    empty, to unsubscribe from it.  So the topic is dropped once it has no
+    subscriber left, or after ``wait`` seconds.
+    """
+    import asyncio
+    import time
+
+    broker = getattr(dask_scheduler, "_broker", None)
+    topics = getattr(broker, "_topics", None)
+    if topics is None or topic not in topics:
+        return False
+    deadline = time.monotonic() + wait
+    while topics.get(topic) is not None and topics[topic].subscribers:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    found = topics.pop(topic, None)
+    if found is not None:
+        found.truncate()
+    return found is not None
+
+
+def _placement(client, chunks) -> list[str | None]:
+    """A home worker for each row chunk: consecutive runs, rows in proportion to threads."""
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except TypeError:  # distributed < 2025: all workers by default
+        info = client.scheduler_info()
+    workers = sorted(
+        (addr, int(w.get("nthreads") or 1)) for addr, w in info.get("workers", {}).items()
+    )
+    if len(workers) < 2:
+        return [None] * len(chunks)
+    total = float(sum(chunks)) or 1.0
+    threads = float(sum(t for _, t in workers))
+    bounds = np.cumsum([t / threads for _, t in workers]) * total
+    homes = []
+    start = 0
+    for c in chunks:
+        middle = start + c / 2.0
+        w = min(int(np.searchsorted(bounds, middle, side="right")), len(workers) - 1)
+        homes.append(workers[w][0])
+        start += c
+    return homes
+
+
+def _identity(x):
+    return x
+
+
+def _own_copy(*parts) -> np.ndarray:
+    """The row chunks ``parts`` as one new C-ordered array."""
+    if len(parts) == 1:
+        return np.array(parts[0], order="C", copy=True)
+    return np.concatenate(parts, axis=0)
+
+
+def _holders(client, X) -> list[str] | None:
+    """The worker holding each row chunk of ``X``, if all are in worker memory (else None)."""
+    from dask.core import flatten
+
+    keys = list(flatten(X.__dask_keys__()))
+    try:
+        found = client.run_on_scheduler(_who_holds, keys=keys)
+    except Exception:  # best effort: the chunks are then placed as if not held
+        return None
+    return found if found and all(found) else None
+
+
+def _who_holds(keys: list, dask_scheduler=None) -> list:
+    """On the scheduler: one worker holding each key in memory (None where none does)."""
+    out = []
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        holders = sorted(ws.address for ws in ts.who_has) if ts is not None else []
+        out.append(holders[0] if holders else None)
+    return out
