@@ -21,6 +21,7 @@ from ._validation import check_array_2d, check_positive_int, is_dask_array
 from .icf import incomplete_cholesky
 from .kernels import KERNELS, Kernel, make_kernel
 from .kmeans import ALGORITHMS, INITS, assign, kmeans
+from .pivoting import check_pivoting
 
 __all__ = ["KernelKMeans", "load"]
 
@@ -69,11 +70,13 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
     tol : float, default=1e-3
         The factorization stops once ``tr(K - P P^T) <= tol`` (absolute, the
         paper's epsilon).
-    pivoting : {"block-greedy", "greedy", "rpcholesky"}, default="block-greedy"
-        Pivot rule of the factorization: the paper's greedy pivots chosen in
-        blocks (the same pivots in far fewer passes over X), the paper's
-        sequential loop itself, or randomly pivoted Cholesky (see
-        :func:`dkicf.incomplete_cholesky`).
+    pivoting : str, default="block-greedy"
+        Pivot rule of the factorization, a name of
+        :data:`dkicf.pivoting.PIVOT_RULES`: ``"block-greedy"`` (the paper's
+        greedy pivots chosen in blocks: the same pivots in far fewer passes
+        over X), ``"greedy"`` (the paper's sequential loop itself) or
+        ``"rpcholesky"`` (randomly pivoted Cholesky); see
+        :func:`dkicf.incomplete_cholesky` and ``docs/pivoting.md``.
     algorithm : {"minibatch-lloyd", "minibatch", "lloyd"}, default="minibatch-lloyd"
         k-means on the rows of P: mini-batch steps (Sculley 2010) then
         full-batch Lloyd iterations to Lloyd's fixed point (the default),
@@ -197,6 +200,7 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
                 f"n_samples={n_samples} should be >= n_clusters={self.n_clusters}."
             )
         check_positive_int(self.rank, "rank")
+        check_pivoting(self.pivoting, None, 0.0)  # a name of the rule registry
         check_positive_int(self.batch_size, "batch_size")
         check_positive_int(self.n_init, "n_init")
         check_positive_int(self.max_iter, "max_iter")

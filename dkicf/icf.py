@@ -220,16 +220,18 @@ def incomplete_cholesky(
     max_rank = _check_int(max_rank, "max_rank")
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
         raise ValueError(f"tol must be a number >= 0, got {tol!r}.")
-    rule, block_size, block_delta = _pivoting.check_pivoting(pivoting, block_size, block_delta)
-    key = _pivoting.rpcholesky_key(random_state) if rule == "rpcholesky" else None
+    name, block_size, block_delta = _pivoting.check_pivoting(pivoting, block_size, block_delta)
     capacity = min(max_rank, n)
+    # Made before the kernel: a randomized rule draws its key from random_state first.
+    rule = _pivoting.PIVOT_RULES[name](capacity=capacity, n=n, d=d, block_size=block_size,
+                                       block_delta=block_delta, random_state=random_state)
     kernel_obj = _resolve_kernel(X, kernel, gamma, degree, coef0, random_state)
     storage = None
     _check_p_storage(p_storage, p_store, checkpoint, dask_input)
     if p_store is not None or checkpoint is not None:
         fit = {**kernel_obj.get_params(), "max_rank": max_rank, "tol": tol,
-               "rank_tol": rank_tol, "random_state": random_state, "pivoting": rule}
-        if rule != "greedy":  # they shape the blocks, hence the pivots
+               "rank_tol": rank_tol, "random_state": random_state, "pivoting": name}
+        if not rule.one_per_pass:  # they shape the blocks, hence the pivots
             fit.update(block_size=block_size, block_delta=block_delta)
         X, storage = open_storage(
             X, dask_input=dask_input, capacity=capacity, params=fit, p_store=p_store,
@@ -250,14 +252,13 @@ def incomplete_cholesky(
     if storage is not None:
         storage.attach(backend)
     try:
-        if rule == "greedy":
+        if rule.one_per_pass:
             result = _greedy_loop(
                 backend, kernel_obj, n, d, capacity, tol, rank_tol, progress, storage
             )
         else:
             result = _block_loop(
-                backend, kernel_obj, n, d, capacity, tol, rank_tol, progress,
-                rule, block_size, block_delta, key, storage,
+                backend, kernel_obj, n, d, capacity, tol, rank_tol, progress, rule, storage
             )
     except worker_failure_types() as exc:
         backend.abort()
@@ -444,29 +445,19 @@ def _rows_per_task(backend, n: int) -> int:
 
 
 def _block_loop(
-    backend, kernel, n, d, capacity, tol, rank_tol, progress, rule, block_size, block_delta, key,
-    storage=None,
+    backend, kernel, n, d, capacity, tol, rank_tol, progress, rule, storage=None,
 ) -> ICFResult:
-    """Several pivots per pass: ``"block-greedy"`` and ``"rpcholesky"``.
+    """Several pivots per pass, chosen by ``rule`` (a :class:`~dkicf.pivoting.PivotRule`).
 
     Each iteration is one pass (``backend.apply`` of a pivot block) plus one
     small map over the chunk states (:func:`dkicf.pivoting.chunk_block_stats`)
     that returns the per-column sums of squares of the block just added (for
-    the per-pivot trace errors) together with the next candidates, whose rows
-    are then fetched with ``backend.rows``.  Neither re-reads X.
-
-    The stopping rules are those of :func:`_greedy_loop` pivot by pivot: the
-    numerical-rank test on the block's first pivot uses the chunks' largest
-    residual, later pivots of a block must clear it with a rounding margin,
-    and if the trace error falls to ``tol`` inside a block, the result is cut
-    at the pivot where the sequential loop would have stopped (the residual is
-    restored by adding back the squares of the dropped columns).
-
-    A checkpoint commits at block boundaries, once the last block's trace
-    errors are known: the history, the trace errors and the loop's own state
-    (:func:`_block_state`: the sizes the blocks adapted to, the RPCholesky
-    key and draw counter, the rounding scales), so that a resumed run asks
-    for the same candidates and chooses the same blocks.
+    the per-pivot trace errors) together with the rule's next candidates.
+    Neither re-reads X.  The stopping rules are those of :func:`_greedy_loop`,
+    pivot by pivot: if the trace error falls to ``tol`` inside a block, the
+    result is cut where the sequential loop would have stopped.  A checkpoint
+    commits between blocks, with the loop's and the rule's own state
+    (:func:`_block_state`), so that a resumed run chooses the same blocks.
     """
     start = time.perf_counter()
     summary = backend.summary(1, first=True)
@@ -475,35 +466,35 @@ def _block_loop(
     roundoff = kernel.roundoff(summary.get("max_sqnorm", 0.0), d)
     if rank_tol is None:
         rank_tol = _EPS * max_diag * max(n, roundoff)
-    sizer = _pivoting.BlockSizer(rule, capacity, n, d, _rows_per_task(backend, n), block_size,
-                                 getattr(backend, "task_bytes", None))
+    rule.size_blocks(_rows_per_task(backend, n), getattr(backend, "task_bytes", None))
     history = History(kernel, capacity, d)
     trace_errors: list[float] = []
     blocks: list[tuple[int, int, str]] = []  # (candidates, pivots, why the block ended)
     trace = initial_trace
-    draw = 0
     if storage is not None:
         initial_trace, rank_tol, trace = storage.begin(
             history, trace_errors, initial_trace, rank_tol
         )
         saved = storage.driver_state
         if saved is not None:  # resumed: the loop continues where the commit left it
-            max_diag, roundoff, draw = saved["max_diag"], saved["roundoff"], saved["draw"]
-            sizer.restore(saved["sizer"])
+            max_diag, roundoff = saved["max_diag"], saved["roundoff"]
+            rule.sizer.restore(saved["sizer"])
+            rule.restore(saved)
             blocks = [(int(m), int(b), str(why)) for m, b, why in saved["blocks"]]
-            if saved["key"] is not None:  # the commit's, also when random_state=None
-                key = np.array([int(k, 16) for k in saved["key"]], dtype=np.uint64)
-    # Columns of the block whose per-column sums are still to fetch (none at a commit).
-    lo = hi = history.rank
+    ctx = _pivoting.RuleContext(
+        kernel, n, d, capacity, rank_tol, max_diag, roundoff, tol,
+        fetch=lambda index: _fetch_candidates(backend, index),
+        small={"panel": None, "pool": getattr(backend, "pool", None),
+               "n_threads": getattr(backend, "n_threads", 1)},
+    )
+    lo = hi = history.rank  # columns whose per-column sums are still to fetch (none at a commit)
     r = history.rank  # rank of the result (less than history.rank if tol is met inside a block)
     stop = "max_rank"
-    adaptive = rule == "block-greedy" and not block_delta
     while True:
         i = history.rank
         done = _stop_reason(i, capacity, trace, tol, summary, rank_tol) is not None
-        single = adaptive and not done and _single_pass(blocks, n, sizer.count(i))
-        request = (_pivoting.CandidateRequest() if done or single
-                   else _candidate_request(rule, sizer, i, key, draw, rank_tol))
+        single = not done and rule.single_pass(blocks, n, i)
+        request = _pivoting.CandidateRequest() if done or single else rule.request(i, rank_tol)
         colsq, cand = np.empty(0), None
         if hi > lo or request.count:
             colsq, cand = _pivoting.gather_candidates(backend, lo, hi, request)
@@ -514,17 +505,7 @@ def _block_loop(
             kept = int(below[0]) + 1 if below.size else hi - lo
             trace_errors.extend(traces[:kept].tolist())
             r, trace = lo + kept, float(traces[kept - 1])
-            if progress is not None:
-                progress(
-                    ICFProgress(
-                        rank=r,
-                        max_rank=capacity,
-                        trace_error=trace,
-                        initial_trace=initial_trace,
-                        elapsed=time.perf_counter() - start,
-                        n_passes=summary["n_passes"],
-                    )
-                )
+            _report(progress, r, capacity, trace, initial_trace, start, summary)
             if below.size:
                 stop = "tol"
                 break
@@ -532,132 +513,69 @@ def _block_loop(
             stop = _stop_reason(i, capacity, trace, tol, summary, rank_tol)
             break
         if storage is not None:
-            storage.step(
-                history, trace_errors, summary, iteration=len(blocks),
-                driver=_block_state(max_diag, roundoff, key, draw, sizer, blocks),
-            )
+            storage.step(history, trace_errors, summary, iteration=len(blocks),
+                         driver=_block_state(max_diag, roundoff, rule, blocks))
         if single:
             # The largest residual alone, as the greedy rule: the same pivot
             # as a block would start with, without the candidates' cost.
             blocks.append((0, 1, "single"))
             block = _single_block(kernel, summary, i)
-            history.append(block)
-            i1 = i + 1
-            then_block = not _single_pass(blocks, n, sizer.count(i1))
-            ahead = (_candidate_request(rule, sizer, i1, key, draw, rank_tol) if then_block
-                     else _pivoting.CandidateRequest())
-            summary = backend.apply(block, history, 1,
-                                    stash=sizer.count(i1) if then_block else 0,
-                                    prefetch=(i1, i1, ahead) if then_block else None)
-            trace = summary["trace"]
-            trace_errors.append(trace)
-            r, lo, hi = i1, i1, i1
-            if progress is not None:
-                progress(ICFProgress(rank=r, max_rank=capacity, trace_error=trace,
-                                     initial_trace=initial_trace,
-                                     elapsed=time.perf_counter() - start,
-                                     n_passes=summary["n_passes"]))
-            continue
-        b_max = sizer.block_max(i)
-        m_used = cand.index.shape[0]
-        # The driver's panels: sized from the last block, computed on the
-        # pass's idle threads (numpy backend).
-        small = {"panel": blocks[-1][1] if blocks else None,
-                 "pool": getattr(backend, "pool", None),
-                 "n_threads": getattr(backend, "n_threads", 1)}
-        if rule == "block-greedy":
-            margin = _pivoting.rounding_margin(max_diag, roundoff, i, m_used)
-            choice = _pivoting.greedy_block(
-                kernel, cand, b_max=b_max, rank_tol=rank_tol, margin=margin,
-                delta=block_delta, trace=trace, tol=tol, **small,
-            )
+            b = 1
         else:
-            uniforms = _pivoting.accept_uniforms(key, draw, cand.draws.shape[0])
-            choice = _pivoting.rpcholesky_block(
-                kernel, cand, uniforms, b_max=b_max, rank_tol=rank_tol, trace=trace, tol=tol,
-                **small,
-            )
-            m_used = cand.draws.shape[0]
-            draw += 1
-        order = choice.order
-        b = order.shape[0]
-        blocks.append((m_used, b, choice.reason))
-        sizer.update(i, m_used, b, choice.reason)
-        block = PivotBlock(
-            kernel=kernel,
-            index=cand.index[order],
-            rows=cand.rows[order],
-            aux=None if cand.aux is None else cand.aux[order],
-            U=cand.U[order],
-            L=choice.L,
-            rank=i,
-        )
+            ctx.small["panel"] = blocks[-1][1] if blocks else None  # sized from the last block
+            cand, choice, m_used = rule.choose(ctx, i, cand, rule.sizer.block_max(i), trace)
+            order = choice.order
+            b = order.shape[0]
+            blocks.append((m_used, b, choice.reason))
+            rule.sizer.update(i, m_used, b, choice.reason)
+            block = PivotBlock(kernel=kernel, index=cand.index[order], rows=cand.rows[order],
+                               aux=None if cand.aux is None else cand.aux[order],
+                               U=cand.U[order], L=choice.L, rank=i)
         history.append(block)
-        # Block greedy's next candidates are the largest residuals after this
-        # pass: streamed chunks keep their rows of X while they have them.
-        stash = sizer.count(i + b) if rule == "block-greedy" else 0
-        # The update tasks also return what the next gather_candidates asks
-        # for (unless the loop then stops), saving a round trip on dask.
-        ahead = _candidate_request(rule, sizer, i + b, key, draw, rank_tol)
-        summary = backend.apply(block, history, 1, stash=stash, prefetch=(i, i + b, ahead))
+        # The update tasks also return what the next gather asks for (the new
+        # columns' sums after a block, the candidates unless a lone pivot comes
+        # next), saving a round trip on dask.
+        nxt = (i + 1, i + 1) if single else (i, i + b)
+        if single and rule.single_pass(blocks, n, i + 1):
+            summary = backend.apply(block, history, 1, stash=0, prefetch=None)
+        else:
+            summary = backend.apply(block, history, 1, stash=rule.stash(i + b),
+                                    prefetch=(*nxt, rule.request(i + b, rank_tol)))
         trace = summary["trace"]
-        lo, hi = i, i + b
+        if single:
+            trace_errors.append(trace)
+            r, lo, hi = i + 1, i + 1, i + 1
+            _report(progress, r, capacity, trace, initial_trace, start, summary)
+        else:
+            lo, hi = i, i + b
     if storage is not None:
-        storage.finish(
-            history, trace_errors, stop, summary, rank=r, iteration=len(blocks),
-            driver=_block_state(max_diag, roundoff, key, draw, sizer, blocks),
-        )
+        storage.finish(history, trace_errors, stop, summary, rank=r, iteration=len(blocks),
+                       driver=_block_state(max_diag, roundoff, rule, blocks))
     P, residual = cut_factor(*backend.result_arrays(history.rank), r)
     logger.info(
         "incomplete Cholesky (%s): rank %d in %d passes, trace error %.3e (from %.3e), "
         "stop: %s, %.2f s",
-        rule, r, summary["n_passes"], trace, initial_trace, stop, time.perf_counter() - start,
+        rule.name, r, summary["n_passes"], trace, initial_trace, stop,
+        time.perf_counter() - start,
     )
-    info = {
-        "rank_tol": rank_tol,
-        "pivoting": rule,
-        "block_sizes": [b for _, b, _ in blocks],
-        "blocks": blocks,
-    }
+    info = {"rank_tol": rank_tol, "pivoting": rule.name,
+            "block_sizes": [b for _, b, _ in blocks], "blocks": blocks}
     return _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop,
                    summary, start, info)
 
 
-# Rows that the driver's work on a block's candidates costs as much as, besides
-# the candidates themselves (measured on the numpy backend: about 2 ms per
-# block against 0.2 ms for a pass over 1,800 rows of 64 features).
-_DRIVER_ROWS = 32768
+def _report(progress, rank, capacity, trace, initial_trace, start, summary) -> None:
+    if progress is not None:
+        progress(ICFProgress(rank=rank, max_rank=capacity, trace_error=trace,
+                             initial_trace=initial_trace, elapsed=time.perf_counter() - start,
+                             n_passes=summary["n_passes"]))
 
 
-def _single_pass(blocks: list, n: int, m: int) -> bool:
-    """Whether block greedy's next pass adds the largest residual alone (a greedy pass).
-
-    Blocks stay at one pivot where the kernel matrix is near the identity
-    (no candidate is provably next): the candidates then cost more than
-    they save while a pass is cheaper than the driver's work on them, about
-    ``(m + _DRIVER_ROWS) / n`` passes.  After ``k`` blocks in a row ended at
-    one pivot (by the bound or a near tie), the next ``2**(k-1)`` passes, at
-    most that ratio, take one pivot each the greedy way; then a block is
-    tried again.  The pivots are those of the sequential rule either way;
-    the choice depends only on the blocks so far, so a resumed fit and
-    every backend make the same one.
-    """
-    limit = (m + _DRIVER_ROWS) // max(n, 1)
-    if limit < 1 or not blocks:
-        return False
-    since = 0
-    k = len(blocks) - 1
-    while k >= 0 and blocks[k][2] == "single":
-        since, k = since + 1, k - 1
-    streak = 0
-    while k >= 0:
-        _, b, why = blocks[k]
-        if why != "single":
-            if b != 1 or why not in ("bound", "ambiguous"):
-                break
-            streak += 1
-        k -= 1
-    return streak > 0 and since < min(2 ** (streak - 1), limit)
+def _fetch_candidates(backend, index) -> _pivoting.Candidates:
+    """The rows of X and of P, and the residuals, of the global rows ``index``."""
+    index = np.asarray(index, dtype=np.int64)
+    xr, aux, pr, er = backend.rows(index)
+    return _pivoting.Candidates(index, er, xr, aux, pr)
 
 
 def _single_block(kernel, summary, rank: int) -> PivotBlock:
@@ -673,21 +591,13 @@ def _single_block(kernel, summary, rank: int) -> PivotBlock:
     )
 
 
-def _candidate_request(rule, sizer, rank, key, draw, rank_tol):
-    """The candidates the block loop asks for at ``rank`` (when it does not stop there)."""
-    if rule == "block-greedy":
-        return _pivoting.CandidateRequest("top", sizer.count(rank))
-    return _pivoting.CandidateRequest("race", sizer.count(rank), key, draw, floor=rank_tol)
-
-
-def _block_state(max_diag, roundoff, key, draw, sizer, blocks) -> dict:
+def _block_state(max_diag, roundoff, rule, blocks) -> dict:
     """The block loop's state that a checkpoint keeps besides the history (JSON-able)."""
     return {
         "max_diag": float(max_diag),
         "roundoff": float(roundoff),
-        "key": None if key is None else [format(int(k), "016x") for k in key],
-        "draw": int(draw),
-        "sizer": sizer.state(),
+        **rule.state(),
+        "sizer": rule.sizer.state(),
         "blocks": [[int(m), int(b), why] for m, b, why in blocks],
     }
 

@@ -467,7 +467,7 @@ def test_blocks_that_stay_at_one_pivot_fall_back_to_greedy_passes(rng, monkeypat
 
 
 def test_single_passes_follow_the_blocks_and_the_cost_of_a_pass():
-    from dkicf.icf import _DRIVER_ROWS, _single_pass
+    from dkicf.pivoting import _DRIVER_ROWS, _single_pass
 
     one, big, single = (64, 1, "bound"), (64, 9, "bound"), (0, 1, "single")
     small_n = 2000  # a pass costs less than the candidates: at most 16 single passes
