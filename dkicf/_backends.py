@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -55,6 +56,56 @@ from .kernels import Kernel
 logger = logging.getLogger(__name__)
 
 
+class FactorBackend(Protocol):
+    """What the factorization's driver loop (:mod:`dkicf.icf`) asks of a backend.
+
+    Both :class:`NumpyBackend` and :class:`DaskBackend` implement it; the
+    loop uses nothing else.  Attributes: ``n`` rows, ``chunks`` (row chunk
+    sizes), ``step`` (passes applied), ``store`` (the Zarr spec of P, or
+    None), ``task_bytes`` (bytes of kernel columns a task may hold, None:
+    unbounded), ``pool`` and ``n_threads`` (threads idle between passes, that
+    the driver may use).
+    """
+
+    n: int
+    chunks: tuple[int, ...]
+    step: int
+    store: Any
+    task_bytes: float | None
+    pool: Any
+    n_threads: int
+
+    def summary(self, m: int = 1, first: bool = False) -> dict:
+        """Trace of the residual diagonal, its ``m`` largest entries and their rows."""
+
+    def rows(self, index: np.ndarray) -> tuple:
+        """Rows of X (float64), kernel aux values, rows of P and residuals at ``index``."""
+
+    def apply(self, block, history, m: int = 1, stash: int = 0, prefetch=None) -> dict:
+        """One pass: add the pivot block to every chunk; return the new summary."""
+
+    def map_chunks(self, func, *args) -> list:
+        """``func(x_chunk, state, offset, *args)`` on every chunk state (no pass over X)."""
+
+    def result_arrays(self, rank: int) -> tuple:
+        """P's first ``rank`` columns and the residual, as numpy or dask arrays."""
+
+    def write_p(self, spec, start: int) -> None:
+        """Write P's columns from ``start`` on to the Zarr spec (checkpoints)."""
+
+    def write_e(self, spec, name: str) -> None:
+        """Write the residual diagonal to the array ``name`` of the spec."""
+
+    def rebase_from(self, spec, point: dict) -> None:
+        """Rebuild the chunk states from a checkpoint's committed arrays."""
+
+    def abort(self) -> None:
+        """Cancel what is running after a failure."""
+
+    def close(self) -> None:
+        """Release the threads, futures and subscriptions of the fit."""
+
+
 class NumpyBackend:
     """The whole dataset in this process, updated in cache-sized row blocks.
 
@@ -72,6 +123,9 @@ class NumpyBackend:
     ):
         self.X = _chunk.as_float(X)
         self.n, self.d = self.X.shape
+        self.chunks = (self.n,)
+        self.store = None
+        self.task_bytes = None
         self.step = 0
         self.n_threads = n_threads or _cpu_count()
         self._pool = None
@@ -319,6 +373,8 @@ class DaskBackend:
         self.kernel = kernel
         self.capacity = capacity
         self.store = store
+        # The driver's panels run in the driver's own thread: the workers do the passes.
+        self.pool, self.n_threads = None, 1
         self.rebase_every = rebase_every
         self._last_rebase = 0
         self._x_blocks = list(X.to_delayed().ravel())

@@ -12,6 +12,7 @@ import math
 import operator
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 from scipy import sparse
@@ -245,6 +246,44 @@ def _in_task(fn, *args):
         return fn(materialize(args[0]), *args[1:])
 
 
+class KMeansBackend(Protocol):
+    """What the k-means driver (:mod:`dkicf._kmeans_runs`) asks of a backend.
+
+    Each method is one read of P (a pass, or a map over the chunks that
+    returns summaries of size ``O(k s)``), except :meth:`rows`, which fetches
+    sampled rows.  :class:`_NumpyBackend` and :class:`_DaskBackend` implement it.
+    """
+
+    n: int
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Rows of P at the global indices ``index``."""
+
+    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
+        """Per chunk: per-centre sums and counts, inertia and the ``n_far`` farthest rows."""
+
+    def full_pass(self, centers: np.ndarray):
+        """Per chunk: labels (kept where the chunk lives), inertia and counts."""
+
+    def nearest_update(self, state, cands: list, firsts: list):
+        """k-means||: each row's distance to its nearest candidate, updated by new ones."""
+
+    def oversample(self, state, phis: list, ell: float, keys: list) -> list:
+        """k-means||: the rows each chunk draws as candidates, seeded by global index."""
+
+    def candidate_counts(self, state, sizes: list) -> list:
+        """k-means||: how many rows are nearest to each candidate."""
+
+    def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
+        """Up to ``k`` distinct rows per chunk (the check that k fits P)."""
+
+    def digests(self) -> tuple[tuple[int, ...], list[str]]:
+        """Row chunks and one digest per chunk: the data's fingerprint."""
+
+    def close(self) -> None:
+        """Release threads or futures."""
+
+
 class _NumpyBackend:
     """P in this process, scanned in row blocks by a pool of threads.
 
@@ -449,7 +488,7 @@ def _check_fits(client, P) -> None:
             )
 
 
-def _backend(P, client, persist: bool = True):
+def _backend(P, client, persist: bool = True) -> KMeansBackend:
     return _DaskBackend(P, client, persist) if is_dask_array(P) else _NumpyBackend(P)
 
 

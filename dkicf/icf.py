@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import pivoting as _pivoting
-from ._backends import DaskBackend, NumpyBackend
+from ._backends import DaskBackend, FactorBackend, NumpyBackend
 from ._factor import History, ICFProgress, ICFResult, PivotBlock, cut_factor
 from ._validation import check_array_2d, is_dask_array
 from .checkpoint import open_storage
@@ -366,7 +366,7 @@ def _stop_reason(rank, capacity, trace, tol, summary, rank_tol) -> str | None:
 
 
 def _greedy_loop(
-    backend, kernel, n, d, capacity, tol, rank_tol, progress, storage=None
+    backend: FactorBackend, kernel, n, d, capacity, tol, rank_tol, progress, storage=None
 ) -> ICFResult:
     start = time.perf_counter()
     summary = backend.summary(1, first=True)
@@ -428,7 +428,7 @@ def _greedy_loop(
                    summary, start, {"rank_tol": rank_tol})
 
 
-def _rows_per_task(backend, n: int) -> int:
+def _rows_per_task(backend: FactorBackend, n: int) -> int:
     """Rows whose block columns an update task holds at once (sizes a pivot block).
 
     With P in memory an update writes the block's columns into P's buffer,
@@ -438,14 +438,13 @@ def _rows_per_task(backend, n: int) -> int:
     tail for its whole chunk when the block does not fit in its free columns.
     """
     rows = NumpyBackend._BLOCK_ROWS
-    chunks = getattr(backend, "chunks", None)
-    if chunks and getattr(backend, "store", None) is not None:
-        rows = max(chunks)
+    if backend.store is not None:
+        rows = max(backend.chunks)
     return int(min(n, rows))
 
 
 def _block_loop(
-    backend, kernel, n, d, capacity, tol, rank_tol, progress, rule, storage=None,
+    backend: FactorBackend, kernel, n, d, capacity, tol, rank_tol, progress, rule, storage=None,
 ) -> ICFResult:
     """Several pivots per pass, chosen by ``rule`` (a :class:`~dkicf.pivoting.PivotRule`).
 
@@ -466,7 +465,7 @@ def _block_loop(
     roundoff = kernel.roundoff(summary.get("max_sqnorm", 0.0), d)
     if rank_tol is None:
         rank_tol = _EPS * max_diag * max(n, roundoff)
-    rule.size_blocks(_rows_per_task(backend, n), getattr(backend, "task_bytes", None))
+    rule.size_blocks(_rows_per_task(backend, n), backend.task_bytes)
     history = History(kernel, capacity, d)
     trace_errors: list[float] = []
     blocks: list[tuple[int, int, str]] = []  # (candidates, pivots, why the block ended)
@@ -484,8 +483,7 @@ def _block_loop(
     ctx = _pivoting.RuleContext(
         kernel, n, d, capacity, rank_tol, max_diag, roundoff, tol,
         fetch=lambda index: _fetch_candidates(backend, index),
-        small={"panel": None, "pool": getattr(backend, "pool", None),
-               "n_threads": getattr(backend, "n_threads", 1)},
+        small={"panel": None, "pool": backend.pool, "n_threads": backend.n_threads},
     )
     lo = hi = history.rank  # columns whose per-column sums are still to fetch (none at a commit)
     r = history.rank  # rank of the result (less than history.rank if tol is met inside a block)
