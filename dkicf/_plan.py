@@ -158,7 +158,6 @@ def plan_fit(
     x_bytes = n * d * itemsize
     p_bytes = 8 * n * s
     chunk_rows = int(max(1, min(chunk_rows, n))) if n else int(chunk_rows)
-    rechunked = False
     cluster_memory = worker_memory * n_workers if worker_memory else None
     usable = usable_memory_fraction() if memory_fraction is None else memory_fraction
     hold_fraction = min(_HOLD_FRACTION, usable)
@@ -174,6 +173,17 @@ def plan_fit(
     workers = _Workers([worker_memory] * max(n_workers, 1),
                        [max(threads_per_worker, 1)] * max(n_workers, 1),
                        worker_baseline or 0, usable)
+    return _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
+                            hold_fraction, base)
+
+
+def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
+                     hold_fraction, base) -> FitPlan:
+    """:func:`plan_fit` once the workers' memory is known."""
+    worker_memory, worker_baseline = base["worker_memory"], base["worker_baseline"]
+    threads_per_worker, cluster_memory = base["threads_per_worker"], base["cluster_memory"]
+    usable = workers.fraction
+    rechunked = False
     room, threads, rows_w = workers.room, workers.threads, workers.rows(n)
     enough = min(_MIN_ROWS, chunk_rows)
 
