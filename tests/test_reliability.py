@@ -103,7 +103,7 @@ def test_a_shape_no_graph_could_hold_is_refused_where_chunks_are_not_listed(tmp_
     store = _swollen_dataset(tmp_path / "big.zarr")
     fs = fsspec.filesystem("memory")
     fs.put(str(store), "/swollen/big.zarr", recursive=True)
-    monkeypatch.setattr(io, "_LISTED_PROTOCOLS", frozenset())
+    monkeypatch.setattr(io._checks, "_LISTED_PROTOCOLS", frozenset())
     url = "memory://swollen/big.zarr"
     try:
         # Seen as an s3:// store would be: its last chunk is missing.
