@@ -40,13 +40,15 @@ import numpy as np
 
 from . import _chunk
 from ._validation import check_positive_int
+from ._version import LAYOUT_SCHEMA
 from .errors import CheckpointMismatchError
 
 __all__ = ["SCHEMA_VERSION", "StateCheckpoint", "open_storage", "p_rows_for"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# The Zarr layout's schema (docs/zarr-layout.md); checkpoints of schema 1 are the same.
+SCHEMA_VERSION = LAYOUT_SCHEMA
 # Columns of P per Zarr chunk: the unit in which tasks flush P.
 COLUMN_BLOCK = 32
 _ROWS_LOW, _ROWS_HIGH = 4096, 8192
@@ -196,7 +198,7 @@ def _new_p_array(group_or_url, name, n, capacity, p_rows, cb, attrs=None, option
     kw = dict(
         shape=(n, capacity), chunks=(p_rows, cb), dtype="float64",
         compressors=None,  # P is dense float noise: compression costs time, saves nothing
-        fill_value=np.nan, attributes=attrs or {},
+        fill_value=np.nan, attributes=attrs or {}, dimension_names=("row", "column"),
     )
     if isinstance(group_or_url, str):
         return zarr.create_array(store=group_or_url, zarr_format=3, **kw, **_kw(options))
@@ -686,10 +688,14 @@ def _create_checkpoint(url, meta, n, d, capacity, p_rows, cb, options=None) -> N
 
 def _check_compatible(url, meta, params, input_fp, chunks) -> None:
     """Refuse a checkpoint of another schema, data or parameters, saying what differs."""
-    if meta.get("schema") != SCHEMA_VERSION:
+    schema = meta.get("schema")
+    number = isinstance(schema, int) and not isinstance(schema, bool)
+    if not (number and 1 <= schema <= SCHEMA_VERSION):
+        newer = number and schema > SCHEMA_VERSION
+        hint = "Upgrade dkicf to resume it, or start" if newer else "Start"
         raise CheckpointMismatchError(
-            f"the checkpoint at {url!r} has schema version {meta.get('schema')!r}; this dkicf "
-            f"reads version {SCHEMA_VERSION}. Start a new checkpoint elsewhere."
+            f"the checkpoint at {url!r} has schema version {schema!r}; this dkicf "
+            f"reads versions 1 to {SCHEMA_VERSION}. {hint} a new checkpoint elsewhere."
         )
     saved = meta["fingerprint"]
     saved_input = {k: saved["input"].get(k) for k in input_fp}

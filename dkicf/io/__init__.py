@@ -26,7 +26,15 @@ Dataset layout
     ``(n_samples, n_features)``, chunked by rows with all columns in one
     chunk, and optionally ``y`` of shape ``(n_samples,)``, int64, with the same
     row chunks.  Class values ``0 .. c-1`` in ``y`` stand for the original
-    labels listed in the group attribute ``label_values``.
+    labels listed in ``label_values``, one of the dkicf attributes.
+
+Attributes and dimension names
+    dkicf keeps its attributes of a node under the one attribute ``dkicf``,
+    with the layout's ``schema`` and the node's ``kind`` (``"dataset"``,
+    ``"model"``, ``"labels"``, ...), and names the dimensions of the arrays
+    it writes (``X``: ``("row", "feature")``, ...); docs/zarr-layout.md has
+    the whole layout.  Stores of earlier schemas are read; a later schema is
+    refused with a message to upgrade dkicf.
 
 Writing
     :func:`convert`, :func:`generate` and :func:`write_group` refuse an
@@ -41,9 +49,10 @@ Writing
 
 Modules, each importing only those above it
     ``_stores`` (errors, locations, stores, metadata probes), ``_checks``
-    (metadata safety checks), ``_reading`` (arrays and datasets as dask),
+    (metadata safety checks), ``_layout`` (attributes and dimension names of
+    the Zarr layout), ``_reading`` (arrays and datasets as dask),
     ``_staging`` (destination checks, staged writes, attributes), ``_claims``
-    (one run per location), ``_groups`` (models and checkpoints),
+    (one run per location), ``_groups`` (models and labels),
     ``_inspect``; and for conversion ``_sources`` (labels, .npy/.npz,
     Parquet), ``_text`` (delimited and svmlight text), ``_convert``.
 """

@@ -13,8 +13,9 @@ import psutil
 import zarr
 
 from .. import synthetic
+from ._layout import _dims, _layout_attrs
 from ._sources import _npy_source, _npz_source, _parquet_source, _Source
-from ._staging import _created_by, _jsonable, _staged, check_writable
+from ._staging import _jsonable, _staged, check_writable
 from ._stores import DkicfIOError
 from ._text import _csv_source, _is_svmlight, _svmlight_source
 
@@ -130,16 +131,16 @@ def _write_dataset(
     with _staged(url, overwrite=overwrite, storage_options=storage_options) as store:
         group = zarr.open_group(store=store, mode="w", zarr_format=3)
         X = group.create_array("X", shape=(n, d), chunks=(chunk_rows, d), dtype=dtype,
-                               config=every)
+                               config=every, dimension_names=_dims("X", 2))
         y = None
         if labelled:
             y = group.create_array("y", shape=(n,), chunks=(chunk_rows,), dtype=np.int64,
-                                   config=every)
+                                   config=every, dimension_names=_dims("y", 1))
         sink = _RowSink(X, y, chunk_rows, n, url, progress)
         for Xb, yb in blocks:
             sink.push(Xb, yb)
         sink.close()
-        group.attrs.update(_jsonable(attrs, "attrs"))
+        group.attrs.update(_layout_attrs("dataset", _jsonable(attrs, "attrs")))
 
 
 def _finite_block(block, dtype: np.dtype, start: int, src: str) -> np.ndarray:
@@ -297,7 +298,6 @@ def convert(
         "source_format": source.fmt,
         "dtype": str(target),
         "shape": [source.n, source.d],
-        "created_by": _created_by(),
     }
     if label_values is not None:
         attrs["label_values"] = label_values
@@ -433,7 +433,6 @@ def generate(
         "synthetic": {"kind": kind, "random_state": seed, "params": described["params"]},
         "dtype": str(target),
         "shape": [n, d],
-        "created_by": _created_by(),
         "label_values": label_values,
     }
     _write_dataset(

@@ -1,4 +1,4 @@
-"""Groups of small arrays and JSON attributes (models, checkpoints), and members from dask."""
+"""Groups of small arrays and JSON attributes (models, labels), and members from dask."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import zarr
 from .._validation import check_dtype
 from ..errors import worker_failure, worker_failure_types
 from ._checks import _check_allocation, _check_extent, _check_meta, check_store_safe
-from ._staging import _created_by, _jsonable, _staged
+from ._layout import _dims, _layout_attrs, _read_layout
+from ._staging import _jsonable, _staged
 from ._stores import DkicfIOError, _group_arrays, _join, _local_path, _probe, _StagingStore, _store
 
 
@@ -20,14 +21,17 @@ def write_group(
     arrays: dict[str, np.ndarray],
     attrs: dict[str, Any],
     *,
+    kind: str = "group",
     overwrite: bool = False,
     storage_options: dict | None = None,
 ) -> None:
     """Write small numeric arrays and JSON attributes as one Zarr v3 group.
 
-    Meant for models and checkpoints: each array is stored whole in one chunk,
-    the attributes are plain JSON (nothing is ever pickled), and the group also
-    gets ``created_by``.
+    Meant for models: each array is stored whole in one chunk, with the
+    dimension names of the Zarr layout where it names the array; the
+    attributes are plain JSON (nothing is ever pickled), stored under the
+    group attribute ``dkicf`` with the layout's ``schema``, ``kind`` and
+    ``created_by`` (docs/zarr-layout.md).
 
     Parameters
     ----------
@@ -38,6 +42,10 @@ def write_group(
         starting with ``.``).
     attrs : dict
         JSON-compatible attributes; numpy scalars and arrays are converted.
+        ``schema`` and ``kind`` are the layout's, not allowed here.
+    kind : str, default="group"
+        What the group is (``"model"``, ``"labels"``, ...): :func:`read_group`
+        can require it.
     overwrite : bool, default=False
         Replace an existing store (see the module notes on safety).
     storage_options : dict, optional
@@ -71,27 +79,28 @@ def write_group(
         except TypeError as exc:
             raise DkicfIOError(f"cannot write {url}: {exc}") from exc
         checked[name] = value
-    meta = _jsonable(dict(attrs), "attrs")
-    meta.setdefault("created_by", _created_by())
+    meta = _layout_attrs(kind, _jsonable(dict(attrs), "attrs"))
     with _staged(url, overwrite=overwrite, storage_options=storage_options) as store:
         group = zarr.open_group(store=store, mode="w", zarr_format=3)
         for name, value in checked.items():
             chunks = tuple(max(1, s) for s in value.shape)
             # Every chunk written, zeros too: dkicf refuses stores with chunks missing.
             arr = group.create_array(name, shape=value.shape, chunks=chunks, dtype=value.dtype,
-                                     config={"write_empty_chunks": True})
+                                     config={"write_empty_chunks": True},
+                                     dimension_names=_dims(name, value.ndim))
             if value.size:
                 arr[...] = value
         group.attrs.update(meta)
 
 
 def read_group(
-    url, *, storage_options: dict | None = None, names=None
+    url, *, storage_options: dict | None = None, names=None, kind: str | None = None
 ) -> tuple[dict, dict]:
     """Read a group written by :func:`write_group`: arrays as numpy, attributes as a dict.
 
     Every array's metadata is checked (:func:`check_store_safe`) before its
-    data is read; sub-groups are ignored.
+    data is read; sub-groups are ignored.  Groups of the Zarr layout before
+    schema 2 (attributes at the top level) are read too.
 
     Parameters
     ----------
@@ -101,11 +110,20 @@ def read_group(
         Passed to fsspec for URLs.
     names : collection of str, optional
         Read only these arrays (large members such as ``P`` stay on disk).
+    kind : str, optional
+        Refuse a group that is not of this kind (``"model"``, ...).
 
     Returns
     -------
     arrays : dict of str to ndarray
     attrs : dict
+        The attributes given to :func:`write_group`, with ``created_by``.
+
+    Raises
+    ------
+    DkicfIOError
+        An array instead of a group; unsafe or damaged array metadata; a group
+        of another ``kind``; a group written by a newer dkicf (a later schema).
 
     Examples
     --------
@@ -122,6 +140,13 @@ def read_group(
             "the group that contains it."
         )
     group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+    found, attrs = _read_layout(dict(group.attrs), url)
+    if kind is not None and found != kind:
+        said = f"kind {found!r}" if found is not None else "no dkicf kind"
+        raise DkicfIOError(
+            f"{url} is not a dkicf {kind}: its attributes say {said}. Pass a {kind} group "
+            "written by dkicf."
+        )
     arrays = {}
     for name in _group_arrays(url, storage_options):
         if names is not None and name not in names:
@@ -133,7 +158,7 @@ def read_group(
         _check_extent(arr, _join(url, name), every_chunk=False)
         _check_allocation(arr, _join(url, name))
         arrays[name] = np.asarray(arr[...])
-    return arrays, dict(group.attrs)
+    return arrays, attrs
 
 
 def remove_member(group_url, name: str, *, storage_options: dict | None = None) -> None:
@@ -146,16 +171,16 @@ def remove_member(group_url, name: str, *, storage_options: dict | None = None) 
 
 
 def write_members(
-    group_url, arrays: dict, attrs: dict, *, storage_options: dict | None = None
+    group_url, arrays: dict, attrs: dict, *, kind: str, storage_options: dict | None = None
 ) -> None:
-    """Add small arrays and JSON attributes to a group being built (no staging of its own).
+    """Add small arrays to a group being built (no staging of its own), and set its attributes.
 
     Used inside :func:`staged_group`, where large members (``P``, ``labels``)
-    are written by the cluster into the same group.
+    are written by the cluster into the same group.  The group's dkicf
+    attributes become ``attrs``, of ``kind``, as :func:`write_group` writes them.
     """
     group_url = os.fspath(group_url)
-    meta = _jsonable(dict(attrs), "attrs")
-    meta.setdefault("created_by", _created_by())
+    meta = _layout_attrs(kind, _jsonable(dict(attrs), "attrs"))
     group = zarr.open_group(store=_store(group_url, storage_options, read_only=False), mode="a",
                             zarr_format=3)
     for name, value in arrays.items():
@@ -166,7 +191,8 @@ def write_members(
             raise DkicfIOError(f"cannot write {group_url}: {exc}") from exc
         chunks = tuple(max(1, s) for s in value.shape)
         arr = group.create_array(name, shape=value.shape, chunks=chunks, dtype=value.dtype,
-                                 overwrite=True, config={"write_empty_chunks": True})
+                                 overwrite=True, config={"write_empty_chunks": True},
+                                 dimension_names=_dims(name, value.ndim))
         if value.size:
             arr[...] = value
     group.attrs.update(meta)
@@ -194,7 +220,8 @@ def write_dask(group_url, name: str, darr, *, storage_options: dict | None = Non
              else _store(group_url, storage_options, read_only=False))
     group = zarr.open_group(store=store, mode="a")
     arr = group.create_array(name, shape=darr.shape, chunks=chunks, dtype=darr.dtype,
-                             overwrite=True, config={"write_empty_chunks": True})
+                             overwrite=True, config={"write_empty_chunks": True},
+                             dimension_names=_dims(name, darr.ndim))
     if darr.size:
         try:
             da.store(darr, arr, lock=False)

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import zarr
 
+from ._layout import _read_layout
 from ._reading import open_array, open_dataset
 from ._stores import _group_arrays, _join, _probe, _store
 
@@ -25,11 +26,10 @@ def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:
         return "dataset", _array_details(arr)
     names = _group_arrays(url, storage_options)
     group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
-    attrs = dict(group.attrs)
-    meta = attrs.get("dkicf")
-    if isinstance(meta, dict) and meta.get("kind") == "icf-checkpoint":
-        return "checkpoint", _checkpoint_details(url, meta, storage_options)
-    if attrs.get("format") == "dkicf-model":
+    kind, attrs = _read_layout(dict(group.attrs), url)
+    if kind == "icf-checkpoint":
+        return "checkpoint", _checkpoint_details(url, attrs, storage_options)
+    if kind == "model":
         details = {
             "kernel": attrs.get("kernel"),
             "n_clusters": attrs.get("params", {}).get("n_clusters"),
@@ -50,7 +50,7 @@ def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:
         if y is not None:
             details["labels"] = f"y, {len(info.get('label_values') or [])} classes"
         return "dataset", details
-    if attrs.get("format") == "dkicf-labels":
+    if kind == "labels":
         return "labels", {"arrays": names, "model": attrs.get("model")}
     return "group", {"arrays": names}
 

@@ -11,6 +11,7 @@ import zarr
 
 from ..errors import DkicfError
 from ._checks import _check_extent, _check_links, _check_meta, _describe, check_store_safe
+from ._layout import _read_layout
 from ._stores import (
     DkicfIOError,
     _group_arrays,
@@ -143,7 +144,7 @@ def _from_zarr(arr: zarr.Array, url: str, chunks):
 
 
 def _check_label_values(url: str, values) -> None:
-    """The group attribute ``label_values``: absent, or a list of numbers or strings."""
+    """The dataset attribute ``label_values``: absent, or a list of numbers or strings."""
     if values is None:
         return
     if not isinstance(values, list) or not all(isinstance(v, (str, int, float)) for v in values):
@@ -215,13 +216,16 @@ def open_dataset(url, *, storage_options: dict | None = None):
     info : dict
         ``url`` (absolute, :func:`absolute_location`), ``shape``, ``chunks``,
         ``n_samples``, ``n_features``, ``dtype``, ``chunk_rows``,
-        ``label_values`` (or None) and ``attrs`` (the group's attributes).
+        ``label_values`` (or None) and ``attrs`` (the dkicf attributes of the
+        group or array, without the layout's ``schema`` and ``kind``).
 
     Raises
     ------
     DkicfIOError
         Everything :func:`open_array` refuses; a group without ``X``; a ``y``
-        that is not 1-D integer with one label per row of X.
+        that is not 1-D integer with one label per row of X; attributes of a
+        later layout schema than this dkicf reads (stores of earlier schemas,
+        attributes at the top level, are read).
 
     Examples
     --------
@@ -239,7 +243,7 @@ def open_dataset(url, *, storage_options: dict | None = None):
     if node.kind == "array":
         arr = open_array(url, storage_options=storage_options)
         X = as_dask(arr)
-        attrs = dict(arr.attrs)
+        attrs = _read_layout(dict(arr.attrs), url)[1]
         y = None
     else:
         _check_links(url)
@@ -252,7 +256,7 @@ def open_dataset(url, *, storage_options: dict | None = None):
             )
         X = as_dask(_join(url, "X"), storage_options=storage_options)
         group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
-        attrs = dict(group.attrs)
+        attrs = _read_layout(dict(group.attrs), url)[1]
         y = None
         if "y" in names:
             y_arr, y_url = _open_checked(_join(url, "y"), storage_options, ndim=None)

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 from zarr.storage import LocalStore
 
-from .._version import __version__
 from ._stores import (
     DkicfIOError,
     OutputExistsError,
@@ -212,11 +211,6 @@ def _jsonable(value, where: str):
         f"attribute {where} has type {type(value).__name__}; attributes must be JSON values "
         "(numbers, strings, booleans, None, lists, dicts). Store arrays as arrays instead."
     )
-
-
-def _created_by() -> str:
-    """The ``created_by`` attribute of what this version of dkicf writes."""
-    return f"dkicf {__version__}"
 
 
 # --------------------------------------------------------------------------
