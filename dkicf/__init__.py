@@ -1,12 +1,11 @@
 """dkicf: kernel k-means on an incomplete Cholesky factorization, in memory or on dask."""
 
-__version__ = "0.1.0"
-
 import importlib
 import sys
 import types
 
 from ._cluster import local_cluster
+from ._version import __version__
 from .errors import (
     CheckpointMismatchError,
     DegenerateKernelWarning,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import fsspec
 import numpy as np
 
+from ._version import LAYOUT_SCHEMA
 from .errors import CheckpointMismatchError
 from .io import DkicfIOError, absolute_location
 
@@ -29,7 +30,8 @@ __all__ = ["SCHEMA_VERSION", "StateCheckpoint"]
 logger = logging.getLogger(__name__)
 
 
-SCHEMA_VERSION = 1
+# The Zarr layout's schema (docs/zarr-layout.md); checkpoints of schema 1 are the same.
+SCHEMA_VERSION = LAYOUT_SCHEMA
 # Kinds of the nodes the factorization creates (the k-means' are "state-...").
 _CHECKPOINT, _P_STORE = "icf-checkpoint", "icf-P"
 
@@ -166,10 +168,14 @@ def _phase(name: str, iteration: int) -> None:
 
 def _check_compatible(url, meta, params, input_fp, chunks) -> None:
     """Refuse a checkpoint of another schema, data or parameters, saying what differs."""
-    if meta.get("schema") != SCHEMA_VERSION:
+    schema = meta.get("schema")
+    number = isinstance(schema, int) and not isinstance(schema, bool)
+    if not (number and 1 <= schema <= SCHEMA_VERSION):
+        newer = number and schema > SCHEMA_VERSION
+        hint = "Upgrade dkicf to resume it, or start" if newer else "Start"
         raise CheckpointMismatchError(
-            f"the checkpoint at {url!r} has schema version {meta.get('schema')!r}; this dkicf "
-            f"reads version {SCHEMA_VERSION}. Start a new checkpoint elsewhere."
+            f"the checkpoint at {url!r} has schema version {schema!r}; this dkicf "
+            f"reads versions 1 to {SCHEMA_VERSION}. {hint} a new checkpoint elsewhere."
         )
     saved = meta["fingerprint"]
     saved_input = {k: saved["input"].get(k) for k in input_fp}

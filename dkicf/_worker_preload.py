@@ -20,6 +20,7 @@ import threading
 
 def _own_error_names() -> set[str]:
     """Class names of the errors that dkicf raises in tasks and reports itself."""
+    # Worker-side imports, at the first log record: the preload itself stays light.
     from . import io  # noqa: F401 - defines the errors of reading stores
     from ._chunk import NonFiniteError
     from .errors import DkicfError

@@ -87,7 +87,7 @@ def _new_p_array(group_or_url, name, n, capacity, p_rows, cb, attrs=None, option
     kw = dict(
         shape=(n, capacity), chunks=(p_rows, cb), dtype="float64",
         compressors=None,  # P is dense float noise: compression costs time, saves nothing
-        fill_value=np.nan, attributes=attrs or {},
+        fill_value=np.nan, attributes=attrs or {}, dimension_names=("row", "column"),
     )
     if isinstance(group_or_url, str):
         return zarr.create_array(store=group_or_url, zarr_format=3, **kw, **_kw(options))

@@ -18,6 +18,7 @@ from . import io
 from ._chunk import check_finite
 from ._factor import ICFResult, _transform_block
 from ._validation import check_array_2d, check_positive_int, is_dask_array
+from ._version import __version__
 from .icf import incomplete_cholesky
 from .kernels import KERNELS, Kernel, make_kernel
 from .kmeans import ALGORITHMS, INITS, assign, kmeans
@@ -25,8 +26,6 @@ from .pivoting import check_pivoting
 
 __all__ = ["KernelKMeans", "load"]
 
-_MODEL_FORMAT = "dkicf-model"
-_MODEL_VERSION = 1
 _MODEL_ARRAYS = ("cluster_centers", "pivots", "pivot_rows", "cholesky_factor", "trace_errors")
 
 
@@ -470,7 +469,8 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         arrays, attrs = _model_arrays_attrs(self)
         if getattr(self, "labels_", None) is not None:
             arrays["labels"] = np.asarray(self.labels_, dtype=np.int32)
-        io.write_group(path, arrays, attrs, overwrite=overwrite, storage_options=storage_options)
+        io.write_group(path, arrays, attrs, kind="model", overwrite=overwrite,
+                       storage_options=storage_options)
 
 
 def _verbose_progress(verbose: int, progress):
@@ -502,7 +502,7 @@ def _verbose_progress(verbose: int, progress):
 
 
 def _model_arrays_attrs(model: KernelKMeans) -> tuple[dict, dict]:
-    """The fitted model as arrays and JSON attributes (the saved format)."""
+    """The fitted model as arrays and JSON attributes (the saved format, of kind "model")."""
     check_is_fitted(model, "cluster_centers_")
     kparams = model.kernel_.get_params()
     if kparams["kernel"] == "callable":
@@ -519,8 +519,6 @@ def _model_arrays_attrs(model: KernelKMeans) -> tuple[dict, dict]:
     }
     params = {k: v for k, v in model.get_params().items() if _is_json(v)}
     attrs = {
-        "format": _MODEL_FORMAT,
-        "format_version": _MODEL_VERSION,
         "kernel": kparams,
         "params": params,
         "n_features_in": int(model.n_features_in_),
@@ -579,8 +577,6 @@ def _versions() -> dict:
     import sklearn
     import zarr
 
-    from . import __version__
-
     return {
         "dkicf": __version__,
         "numpy": np.__version__,
@@ -605,20 +601,17 @@ def load(path, *, storage_options=None) -> KernelKMeans:
     -------
     KernelKMeans
         Fitted, predicting exactly as the saved model.
+
+    Raises
+    ------
+    DkicfIOError
+        The group is not a dkicf model, is damaged, or was written by a newer
+        dkicf (a later Zarr layout schema).  Models of earlier schemas are read.
     """
     path = io.absolute_location(path)
-    arrays, attrs = io.read_group(path, storage_options=storage_options, names=_MODEL_ARRAYS)
+    arrays, attrs = io.read_group(path, storage_options=storage_options, names=_MODEL_ARRAYS,
+                                  kind="model")
     _check_saved_model(path, arrays, attrs)
-    if attrs.get("format") != _MODEL_FORMAT:
-        raise ValueError(
-            f"{path} is not a dkicf model (its attributes have no format={_MODEL_FORMAT!r}); "
-            "pass the --out group written by `dkicf fit` or KernelKMeans.save."
-        )
-    if attrs.get("format_version", 0) > _MODEL_VERSION:
-        raise ValueError(
-            f"{path} was written by a newer dkicf (model format "
-            f"{attrs['format_version']} > {_MODEL_VERSION}); upgrade dkicf to read it."
-        )
     params = {k: v for k, v in attrs["params"].items() if k in KernelKMeans().get_params()}
     model = KernelKMeans(**params)
     kparams = dict(attrs["kernel"])
@@ -660,13 +653,6 @@ def _check_saved_model(path: str, arrays: dict, attrs: dict) -> None:
     def number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    if attrs.get("format") != _MODEL_FORMAT:
-        return  # load says what the group is not
-    version = attrs.get("format_version", 0)
-    if not integer(version):
-        refuse(f"format_version is {version!r}, not an integer")
-    if version > _MODEL_VERSION:
-        return  # load says to upgrade
     for key, check, kind in [
         ("params", lambda v: isinstance(v, dict), "a dict"),
         ("kernel", lambda v: isinstance(v, dict) and isinstance(v.get("kernel"), str),

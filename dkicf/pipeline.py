@@ -275,7 +275,7 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
     with io.staged_group(out, overwrite=overwrite, storage_options=storage_options) as target:
         # The group is built where it will be published: P, when it is kept in
         # Zarr, is written by the workers straight into it.
-        io.write_members(target, {}, {"format": "dkicf-fit-in-progress"},
+        io.write_members(target, {}, {}, kind="fit-in-progress",
                          storage_options=storage_options)
         t0 = time.perf_counter()
         icf = incomplete_cholesky(
@@ -320,7 +320,7 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
                 io.remove_member(target, "P", storage_options=storage_options)
         elif p_where != "zarr" or checkpoint is not None:
             io.write_dask(target, "P", P, storage_options=storage_options)
-        io.write_members(target, arrays, attrs, storage_options=storage_options)
+        io.write_members(target, arrays, attrs, kind="model", storage_options=storage_options)
         t_write = time.perf_counter() - t0
     report = {
         "n_samples": int(X.shape[0]),
@@ -383,9 +383,10 @@ def _predict_claimed(model_path, store, out, *, client, overwrite, storage_optio
     t0 = time.perf_counter()
     labels = model.predict(X).astype(np.int32)
     with io.staged_group(out, overwrite=overwrite, storage_options=storage_options) as target:
-        attrs = {"format": "dkicf-labels", "model": str(model_path),
+        attrs = {"model": str(model_path),
                  "input": _input_fingerprint(store, None, storage_options)}
-        io.write_group(target, {}, attrs, overwrite=True, storage_options=storage_options)
+        io.write_group(target, {}, attrs, kind="labels", overwrite=True,
+                       storage_options=storage_options)
         io.write_dask(target, "labels", labels, storage_options=storage_options)
     report = {"n_samples": int(X.shape[0]), "predict_s": time.perf_counter() - t0, "out": out}
     if y is not None:

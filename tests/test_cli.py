@@ -69,7 +69,8 @@ def test_convert_fit_predict_info_plot(ring_store):
         assert name in group, name
     assert group["labels"].chunks == (700,)
     assert group["P"].shape == (3000, 50)
-    attrs = dict(group.attrs)
+    attrs = group.attrs["dkicf"]
+    assert attrs["kind"] == "model"
     assert attrs["kernel"] == {"kernel": "gaussian", "gamma": 16.0}
     assert attrs["input"]["shape"] == [3000, 2]
     assert "dkicf" in attrs["versions"]

@@ -502,7 +502,7 @@ def _saved_model() -> Path:
         model.save(root / "model.zarr")
         group_meta = root / "model.zarr" / "zarr.json"
         # As fit_store records it: the training data's shape bounds the pivots.
-        _edit_json(group_meta, lambda m: m["attributes"].__setitem__(
+        _edit_json(group_meta, lambda m: m["attributes"]["dkicf"].__setitem__(
             "input", {"shape": list(_MODEL_X.shape)}))
         _MODEL_CACHE["path"] = root / "model.zarr"
     return _MODEL_CACHE["path"]
@@ -513,7 +513,8 @@ _MODEL_ARRAY_NAMES = ["cluster_centers", "pivots", "pivot_rows", "cholesky_facto
 _ATTR_VALUES = st.sampled_from([None, -1, 0, 99, 1.5, float("nan"), "x", [], {}, True,
                                 {"kernel": "nope"}, {"kernel": "linear"},
                                 {"kernel": "gaussian", "gamma": -1.0},
-                                {"kernel": "gaussian", "gamma": 2.0}, "dkicf-model"])
+                                {"kernel": "gaussian", "gamma": 2.0}, "dkicf-model",
+                                "labels", 1, 3])
 _MODEL_MUTATIONS = st.one_of(
     st.tuples(st.just("drop_array"), st.sampled_from(_MODEL_ARRAY_NAMES)),
     st.tuples(st.just("pivot"), st.tuples(st.integers(0, 7),
@@ -531,9 +532,11 @@ _MODEL_MUTATIONS = st.one_of(
     st.tuples(st.just("dtype"), st.tuples(st.sampled_from(_MODEL_ARRAY_NAMES),
                                           st.sampled_from(["float32", "int64", "bool"]))),
     st.tuples(st.just("attr"), st.tuples(st.sampled_from(
-        ["format", "format_version", "kernel", "params", "n_features_in", "rank", "inertia",
+        ["kind", "schema", "kernel", "params", "n_features_in", "rank", "inertia",
          "n_iter", "initial_trace", "stop_reason", "n_passes", "feature_names_in", "input"]),
         st.one_of(st.just("<delete>"), _ATTR_VALUES))),
+    # The one attribute that holds all of dkicf's, replaced or removed.
+    st.tuples(st.just("dkicf_attr"), st.one_of(st.just("<delete>"), _ATTR_VALUES)),
 )
 
 
@@ -581,12 +584,24 @@ def _tamper(model: Path, mutation) -> None:
         key, value = arg
 
         def edit(meta):
+            attrs = meta["attributes"].get("dkicf")
+            if not isinstance(attrs, dict):
+                return  # replaced by an earlier mutation
             if value == "<delete>":
-                meta["attributes"].pop(key, None)
+                attrs.pop(key, None)
             else:
-                meta["attributes"][key] = value
+                attrs[key] = value
 
         _edit_json(model / "zarr.json", edit)
+    elif kind == "dkicf_attr":
+
+        def replace(meta):
+            if arg == "<delete>":
+                meta["attributes"].pop("dkicf")
+            else:
+                meta["attributes"]["dkicf"] = arg
+
+        _edit_json(model / "zarr.json", replace)
 
 
 def _reference_labels(model: Path, X: np.ndarray) -> np.ndarray:

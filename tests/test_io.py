@@ -728,7 +728,7 @@ def test_a_late_write_does_not_bring_back_an_abandoned_staging_folder(tmp_path):
             # What a write task still under way elsewhere holds: the array as write_dask
             # opened it, shipped to the worker.
             late = pickle.loads(pickle.dumps(zarr.open_array(
-                store=io._StagingStore(Path(target)), path="labels", mode="a")))
+                store=io._stores._StagingStore(Path(target)), path="labels", mode="a")))
             raise RuntimeError("the run failed")
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(FileNotFoundError, match="abandoned"):

@@ -114,7 +114,8 @@ def test_extras_split_parquet_from_datasets():
     # What the messages tell users to install exists.
     import re
 
-    for module in ("io", "datasets"):
-        text = (REPO / "dkicf" / f"{module}.py").read_text()
+    modules = [REPO / "dkicf" / "datasets.py", *sorted((REPO / "dkicf" / "io").glob("*.py"))]
+    for module in modules:
+        text = module.read_text()
         for extra in re.findall(r"dkicf\[(\w+)\]", text):
-            assert extra in extras, (module, extra)
+            assert extra in extras, (module.name, extra)

@@ -193,7 +193,7 @@ def test_cli_fit_and_predict_with_relative_paths_on_an_existing_scheduler(
     assert report["rank"] == "10" and float(report["accuracy"]) > 0.9
     assert f"out: {tmp_path / 'model.zarr'}" in out
     group = zarr.open_group(str(tmp_path / "model.zarr"), mode="r")
-    assert group.attrs["input"]["url"] == str(tmp_path / "data.zarr" / "X")
+    assert group.attrs["dkicf"]["input"]["url"] == str(tmp_path / "data.zarr" / "X")
     assert (tmp_path / "ck.zarr" / "P" / "zarr.json").is_file()
     assert (tmp_path / "ck.zarr" / "kmeans" / "zarr.json").is_file()
     # Nothing went to the workers' own directory.

@@ -103,7 +103,7 @@ def test_a_shape_no_graph_could_hold_is_refused_where_chunks_are_not_listed(tmp_
     store = _swollen_dataset(tmp_path / "big.zarr")
     fs = fsspec.filesystem("memory")
     fs.put(str(store), "/swollen/big.zarr", recursive=True)
-    monkeypatch.setattr(io, "_LISTED_PROTOCOLS", frozenset())
+    monkeypatch.setattr(io._checks, "_LISTED_PROTOCOLS", frozenset())
     url = "memory://swollen/big.zarr"
     try:
         # Seen as an s3:// store would be: its last chunk is missing.
@@ -512,7 +512,7 @@ def test_zero_chunks_and_label_values_of_the_wrong_type_are_refused(tmp_path):
 
     group_meta = tmp_path / "d.zarr" / "zarr.json"
     group = json.loads(group_meta.read_text())
-    group["attributes"]["label_values"] = 5
+    group["attributes"]["dkicf"]["label_values"] = 5
     group_meta.write_text(json.dumps(group))
     for call in (io.open_dataset, pipeline.describe):
         with pytest.raises(DkicfIOError, match="its attribute label_values is 5, not a list"):
@@ -543,7 +543,7 @@ def test_a_tampered_model_is_refused_by_load_naming_the_problem(tmp_path, tamper
     arrays = {k: np.array(v) for k, v in arrays.items()}
     attrs["input"] = {"shape": [60, 3]}
     tamper(arrays, attrs)
-    io.write_group(tmp_path / "m.zarr", arrays, attrs)
+    io.write_group(tmp_path / "m.zarr", arrays, attrs, kind="model")
     with pytest.raises(DkicfIOError, match=rf"m\.zarr is not a valid dkicf model: {match}"):
         load(tmp_path / "m.zarr")
 
