@@ -124,71 +124,41 @@ def incomplete_cholesky(
     progress : callable, optional
         Called with an :class:`ICFProgress` after every pass (one pivot for
         ``"greedy"``, one block of pivots for the block rules).
-    pivoting : {"block-greedy", "greedy", "rpcholesky"}, default="block-greedy"
-        How pivots are chosen (see ``docs/pivoting.md``):
-
-        * ``"greedy"``: the paper's Algorithm 1 as written, one pivot per pass
-          over X;
-        * ``"block-greedy"`` (the default): the same pivots as ``"greedy"``,
-          several per pass:
-          greedy pivoted Cholesky on the largest residuals, accepted while
-          they provably beat every other row.  Pivot decisions closer than
-          rounding are left to the next pass, so the pivots are those of
-          ``"greedy"`` except where two residuals tie within rounding (where
-          the sequential choice itself depends on the order of operations);
-        * ``"rpcholesky"``: randomly pivoted Cholesky (Chen, Epperly, Tropp
-          and Webber, 2023), blocked with rejection sampling (Epperly, Tropp
-          and Webber, 2024); seeded by ``random_state`` and independent of
-          the chunking of X and of the number of workers.
+    pivoting : str, default="block-greedy"
+        A name of :data:`dkicf.pivoting.PIVOT_RULES`: ``"greedy"`` (the
+        paper's loop as written, one pivot per pass over X),
+        ``"block-greedy"`` (the same pivots, several per pass, except where
+        two residuals tie within rounding) or ``"rpcholesky"`` (randomly
+        pivoted Cholesky, blocked, seeded by ``random_state`` and independent
+        of the chunking).  See ``docs/pivoting.md``.
     block_size : int, optional
-        Block rules only: the largest number of pivots per pass.  Default:
-        as many as memory allows (a chunk task holds ``rows x block_size``
-        kernel values); the blocks are adapted to the data below this cap.
-        RPCholesky's pivots depend on where its blocks end: for a run that
-        must repeat bit for bit on another cluster or chunking of large
-        data, fix ``block_size`` (the default cap follows the rows per task
-        and the workers' memory).
+        Block rules only: the most pivots per pass (default: as many as a
+        task's memory allows).  Fix it for RPCholesky pivots that must repeat
+        bit for bit on another cluster or chunking.
     block_delta : float, default=0.0
         ``"block-greedy"`` only: accept a candidate whose updated residual is
         within a factor ``1 - block_delta`` of the bound on the other rows.
         Larger blocks, fewer passes, but the pivots are no longer exactly the
         sequential ones.
     p_store : str, optional
-        Dask input only: local path or fsspec URL where a Zarr array for P is
-        created, for a P larger than the cluster's memory.  Each task then
-        keeps only its last ``< cb`` columns in memory (``cb`` up to 32, fewer
-        when the rows are many for the cluster's memory) and streams the others
-        from Zarr; ``res.P`` reads the array.  The pivots equal those of the
-        in-memory run (with any pivot rule) and P agrees to rounding.
+        Dask input only: path or fsspec URL of a Zarr array for P, for a P
+        larger than the cluster's memory (tasks stream its columns; same
+        pivots, P equal to rounding).
     checkpoint : str, optional
-        Local path or fsspec URL of a Zarr group where the factorization is
-        checkpointed: every commit writes P's new columns there (with dask
-        input and ``p_storage="zarr"``, P itself lives there, as with
-        ``p_store``).  A driver that crashes resumes from it with
-        ``resume=True`` and ends with exactly the pivots and P of an
-        uninterrupted run, with any pivot rule (the block rules commit
-        between blocks, with their adapted sizes and RPCholesky's draw
-        counter).
+        Path or fsspec URL of a Zarr group the factorization commits to; a
+        crashed driver resumes from it (``resume=True``) to exactly the
+        pivots and P of an uninterrupted run (``docs/checkpoints.md``).
     checkpoint_every : int, default=25
         Commit a checkpoint every this many iterations (passes over X: one
         per pivot for ``"greedy"``, one per block for the block rules), and
         at the end.
     p_storage : {"auto", "memory", "zarr"}, default="auto"
-        Dask input with ``checkpoint``: where P lives during the fit.
-        ``"memory"``: in the workers' memory, as without a checkpoint (each
-        pass reads P at memory speed; the commits copy its new columns to
-        the checkpoint).  ``"zarr"``: in the checkpoint, for a P larger than
-        the cluster's memory (each task keeps only its last columns and
-        streams the others from Zarr, several times slower per pass).
-        ``"auto"``: memory if P fits the workers' memory limits, else Zarr;
-        a resumed fit keeps the choice recorded in its checkpoint, so that
-        it ends bit-identical to an uninterrupted run.  Without a
-        checkpoint, P is in memory unless ``p_store`` is given.
+        Dask input with ``checkpoint``: P in worker memory (commits copy its
+        new columns), in the checkpoint (a P larger than the cluster), or
+        ``"auto"``: memory if it fits; a resumed fit keeps its recorded choice.
     resume : bool, default=False
-        Continue the checkpoint at ``checkpoint`` (start it if there is none).
-        It must have been written for the same data and parameters, or the
-        call is refused with a message saying what differs; a finished one
-        is returned as it is (``res.info["already_finished"]``).
+        Continue the checkpoint (start it if there is none); one of other data
+        or parameters is refused with the differences named.
     overwrite : bool, default=False
         Replace an existing dkicf P store or checkpoint (never anything that
         dkicf did not create).
@@ -241,16 +211,7 @@ def incomplete_cholesky(
         )
         if storage.finished:
             return storage.load_result(kernel_obj, dask_input)
-    restore = None if storage is None else storage.restore_point
-    if dask_input:
-        backend = DaskBackend(
-            X, kernel_obj, capacity, client, persist,
-            store=None if storage is None else storage.p_spec, restore=restore,
-        )
-    else:
-        backend = NumpyBackend(X, kernel_obj, capacity, restore=restore, checked=True)
-    if storage is not None:
-        storage.attach(backend)
+    backend = _make_backend(X, dask_input, kernel_obj, capacity, client, persist, storage)
     try:
         if rule.one_per_pass:
             result = _greedy_loop(
@@ -272,6 +233,20 @@ def incomplete_cholesky(
         result.info.update(storage.info())
     _warn_if_degenerate(result, n)
     return result
+
+
+def _make_backend(X, dask_input, kernel, capacity, client, persist, storage) -> FactorBackend:
+    """The backend of the fit, its chunk states new or rebuilt from the storage's commit."""
+    restore = None if storage is None else storage.restore_point
+    if dask_input:
+        backend = DaskBackend(X, kernel, capacity, client, persist,
+                              store=None if storage is None else storage.p_spec,
+                              restore=restore)
+    else:
+        backend = NumpyBackend(X, kernel, capacity, restore=restore, checked=True)
+    if storage is not None:
+        storage.attach(backend)
+    return backend
 
 
 def _check_p_storage(p_storage, p_store, checkpoint, dask_input: bool) -> None:

@@ -90,38 +90,15 @@ def kmeans(
 ) -> KMeansResult:
     """K-means on the rows of P, in memory or on a dask cluster.
 
-    Each run starts from k-means++ on a seeded sample of ``init_size`` rows
-    (drawn by global row index; only those rows are fetched) or from
-    k-means|| over all of P, then
-
-    * ``algorithm="minibatch-lloyd"`` (the default): the mini-batch steps
-      below, then full-batch Lloyd iterations from where they stopped, until
-      no label changes or an iteration lowers the inertia by at most ``tol``
-      times itself.  The mini-batch phase is cheap (it reads sampled rows
-      only) and leaves few Lloyd passes to do; the Lloyd phase reaches
-      Lloyd's fixed point, which mini-batch alone stops short of.
-    * ``algorithm="minibatch"`` (Sculley 2010, as scikit-learn's
-      ``MiniBatchKMeans``): each step draws ``batch_size`` row indices with
-      replacement, fetches those rows, assigns them to the nearest centre and
-      moves each centre ``j`` to ``(c_j v_j + S_j) / (v_j + n_j)``, where
-      ``v_j`` counts the points it has received so far and ``n_j``, ``S_j``
-      are the count and sum of its batch points.  The rows of several future
-      steps are fetched in one request (about 64k rows).  A centre whose
-      count stays below ``1e-3`` times the largest (or at zero) is re-seeded
-      at a batch point drawn with probability proportional to the point's
-      squared distance to its centre.
-    * ``algorithm="lloyd"``: full-batch Lloyd, one pass over P per iteration,
-      from the initial centres.
-
-    In Lloyd iterations an empty cluster takes the point farthest from its
-    centre (found from each chunk's few farthest points); a centre is never
-    set to zero.  Each Lloyd iteration is one distributed pass: the chunks
-    return per-centre sums and counts, no row of P moves.
-
-    The run with the lowest inertia, measured by a full pass over P, is kept,
-    together with that pass's labels.  The result depends on ``random_state``
-    only: not on the number of workers nor on the chunking of P (up to
-    rounding in Lloyd's sums).
+    Each run starts from k-means|| over all of P or k-means++ on a seeded
+    sample, then runs mini-batch steps and/or full-batch Lloyd iterations
+    (``algorithm``); each Lloyd iteration is one distributed pass in which the
+    chunks return per-centre sums and counts, and no row of P moves.  An empty
+    cluster takes the point farthest from its centre.  The run of lowest
+    inertia (a full pass over P) is kept with that pass's labels.  The result
+    depends on ``random_state`` only, not on the number of workers or the
+    chunking (up to rounding in Lloyd's sums).  ``docs/kmeans.md`` describes
+    the options, their costs and the measurements behind the defaults.
 
     Parameters
     ----------
@@ -134,44 +111,32 @@ def kmeans(
         Number of clusters ``k``, at most the number of distinct rows of P
         (checked by a cheap pass that stops once ``k`` are found).
     algorithm : {"minibatch-lloyd", "minibatch", "lloyd"}, default="minibatch-lloyd"
-        See above.  Cost per run: mini-batch reads ``max_iter * batch_size``
-        sampled rows at most; each Lloyd iteration is a pass over P (one
-        matrix product of ``n_samples * n_features * n_clusters``).
+        ``"minibatch-lloyd"``: mini-batch steps (Sculley 2010), then Lloyd
+        iterations to Lloyd's fixed point.  ``"minibatch"``: the steps alone
+        (cheapest; stops short of the optimum).  ``"lloyd"``: Lloyd alone.
     init : {"k-means||", "k-means++"} or ndarray of shape (n_clusters, n_features), \
 default="k-means||"
-        Initial centres.  ``"k-means++"``: k-means++ with local trials on the
-        init sample.  ``"k-means||"`` (Bahmani et al. 2012): 5 rounds, each
-        one pass over P, draw about ``2 * n_clusters`` candidates per round
-        from all rows with probability proportional to their squared distance
-        to the candidates so far; the candidates, weighted by the rows
-        nearest to them, are clustered on the driver by weighted k-means++.
-        It finds small clusters that a sample of P misses, at the cost of
-        6 passes over P, which all runs share (each run draws its own
-        candidates; the passes update every run's distances at once).  With
-        an array, there is a single run
-        (``n_init`` is not used); the init sample is still drawn to scale
-        ``tol``.
+        Initial centres.  ``"k-means||"`` (Bahmani et al. 2012): 5 rounds of
+        oversampling over all of P (6 passes, shared by all runs), then
+        weighted k-means++ on the candidates; it finds small clusters a
+        sample misses.  ``"k-means++"``: with local trials on the init
+        sample.  An array: a single run from it.
     batch_size : int, default=1024
         Rows per mini-batch step (at most ``n_samples``).  Also sets the
         default ``init_size``.
     n_init : int, default=5
         Number of runs, each from its own initialisation; the lowest inertia
-        wins.  Five runs of the default find the optimum that scikit-learn's
-        ``KMeans(n_init=10)`` finds on every case of the quality benchmark;
-        three miss it on one case in 60.
+        wins.
     max_iter : int, default=100
         Largest number of mini-batch *steps* (batches, not epochs as in
         scikit-learn's ``MiniBatchKMeans``) and of Lloyd *iterations* (passes
         over P) per run; ``"minibatch-lloyd"`` caps each phase.
     tol : float, default=1e-4
-        Mini-batch steps, and ``"lloyd"``: stop when the sum of the squared
-        movements of the centres in a step is ``<= tol * v``, where ``v`` is
-        the mean variance of the features on the init sample (as
-        scikit-learn's ``KMeans``; relative, so rescaling P does not change
-        the result).  Mini-batch ignores it at 0.  The Lloyd phase of
-        ``"minibatch-lloyd"``: stop when an iteration lowers the inertia by
-        at most ``tol`` times the inertia.  Every Lloyd iteration stops the
-        run when no label changes (``tol=0``: only then).
+        Mini-batch steps and ``"lloyd"``: stop when the centres' squared
+        movement in a step is ``<= tol`` times the features' mean variance on
+        the init sample.  The Lloyd phase of ``"minibatch-lloyd"``: stop when
+        an iteration lowers the inertia by at most ``tol`` times itself.
+        Lloyd always stops when no label changes.
     max_no_improvement : int or None, default=10
         Mini-batch only: stop when the exponentially weighted batch inertia
         has not improved for this many consecutive steps (None: never).
@@ -188,12 +153,9 @@ default="k-means||"
         Called with a :class:`KMeansProgress` after each step or iteration.
     checkpoint : str, optional
         Zarr group (local path or fsspec URL) where the fit commits its state
-        every ``checkpoint_every`` steps of a run and after each run: the
-        run, its step, centres and counts, the generators' states, the
-        stopping counters, and the best run so far.  A driver that crashes
-        resumes from it with ``resume=True`` and ends with exactly the
-        centres, labels and inertia of an uninterrupted fit.  Creating it
-        fingerprints P (one digest per row chunk, computed where the chunk is).
+        every ``checkpoint_every`` steps and after each run; a crashed driver
+        resumes from it (``resume=True``) to exactly the uninterrupted result
+        (see ``docs/checkpoints.md``).
     checkpoint_every : int, optional
         Mini-batch steps or Lloyd iterations between commits within a run;
         default 100 steps and 5 iterations.
@@ -207,14 +169,10 @@ default="k-means||"
     storage_options : dict, optional
         fsspec options (credentials, endpoint) of ``checkpoint``.
     persist : bool, default=True
-        Dask P only: compute P's chunks once into worker memory (the
-        fastest).  ``False`` reads each chunk from P's source (for example
-        the Zarr array of a factorization run with ``p_store=``) in every task
-        that needs it, so that a P larger than the cluster's memory is never
-        held, at the cost of a read of P per pass and per batch of
-        mini-batch steps fetched.  The result is the same.  ``True`` with a P
-        larger than the memory of the cluster's workers raises ValueError
-        before any task runs.
+        Dask P only: hold P's chunks in worker memory (``True``, refused
+        before any task if they do not fit), or read each chunk from P's
+        source in every task (``False``: a P larger than the cluster's
+        memory; same result).
 
     Returns
     -------
@@ -223,19 +181,15 @@ default="k-means||"
     Raises
     ------
     ValueError
-        For an invalid parameter (the message names it and its value) or a
-        P holding NaN or infinity.
+        An invalid parameter (named with its value), or NaN or infinity in P.
     dkicf.errors.CheckpointMismatchError
-        When resuming a checkpoint written for other data or parameters; the
-        message names each difference.
+        Resuming a checkpoint of other data or parameters (each difference named).
     FileExistsError
-        When ``checkpoint`` holds something else than a dkicf k-means
-        checkpoint, or one exists and neither ``resume`` nor ``overwrite`` is set.
+        ``checkpoint`` holds something else, or a checkpoint without ``resume``
+        or ``overwrite``.
     dkicf.errors.WorkerFailureError
-        When a task killed every worker that ran it (the scheduler's
-        ``allowed-failures``); the message names the run and the step or pass
-        and, with ``checkpoint``, the last commit, which ``resume=True``
-        continues.
+        A task killed every worker that ran it; the message names the run, the
+        step and the last commit, which ``resume=True`` continues.
 
     Examples
     --------
@@ -249,15 +203,8 @@ default="k-means||"
     >>> np.bincount(res.labels).tolist()
     [100, 100]
 
-    On a cluster, with P a dask array chunked by rows, the labels stay
-    distributed:
-
-    >>> import dask.array as da  # doctest: +SKIP
-    >>> from dkicf import local_cluster  # doctest: +SKIP
-    >>> client = local_cluster(2)  # doctest: +SKIP
-    >>> res = kmeans(da.from_array(P, chunks=(50, 2)), 2, random_state=0)  # doctest: +SKIP
-    >>> res.labels.chunks  # doctest: +SKIP
-    ((50, 50, 50, 50),)
+    With a dask P chunked by rows, on a cluster, the labels stay a dask array
+    chunked like P.
     """
     P = check_array_2d(P, "P")
     n, s = P.shape
@@ -265,18 +212,7 @@ default="k-means||"
         n, s, n_clusters, algorithm, init, batch_size, n_init, max_iter, tol,
         max_no_improvement, init_size, progress,
     )
-    for name, flag in (("resume", resume), ("overwrite", overwrite)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}.")
-    if resume and checkpoint is None:
-        raise ValueError("resume=True needs checkpoint=, the location to resume from.")
-    if checkpoint_every is None:
-        checkpoint_every = dict(_CHECKPOINT_EVERY)
-    else:
-        every = check_positive_int(checkpoint_every, "checkpoint_every")
-        checkpoint_every = {"minibatch": every, "lloyd": every}
-    if not isinstance(persist, bool):
-        raise TypeError(f"persist must be True or False, got {persist!r}.")
+    checkpoint_every = _check_run_args(checkpoint, checkpoint_every, resume, overwrite, persist)
     seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max,
                                                          size=cfg.n_init)
     backend = _backend(P, client, persist)
@@ -300,6 +236,19 @@ default="k-means||"
         raise err from exc
     finally:
         backend.close()
+
+
+def _check_run_args(checkpoint, checkpoint_every, resume, overwrite, persist) -> dict:
+    """Check the checkpoint and persistence arguments; the commit interval of each phase."""
+    for name, flag in (("resume", resume), ("overwrite", overwrite), ("persist", persist)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}.")
+    if resume and checkpoint is None:
+        raise ValueError("resume=True needs checkpoint=, the location to resume from.")
+    if checkpoint_every is None:
+        return dict(_CHECKPOINT_EVERY)
+    every = check_positive_int(checkpoint_every, "checkpoint_every")
+    return {"minibatch": every, "lloyd": every}
 
 
 def assign(P, centers, *, client=None) -> tuple[Any, float]:
