@@ -8,9 +8,10 @@ limits and threads and from their own measured memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import time
+from contextvars import ContextVar
 
 import numpy as np
 
@@ -85,12 +86,29 @@ _P_ROWS = 8192
 _STREAM_BYTES = 32 << 20
 
 
-# Seconds during which one measurement of the workers is reused: the plan and
-# the checks of one fit then see the same figures.
-_BASELINE_TTL = 60.0
+# The workers' measurements of the fit in progress (see one_measurement), by
+# client and workers; None outside a fit, where every call measures anew.
+_FIT_MEASUREMENTS: ContextVar[dict | None] = ContextVar("dkicf_fit_measurements",
+                                                         default=None)
 
 
-_BASELINES: dict = {}
+@contextlib.contextmanager
+def one_measurement():
+    """Within it, the workers are measured once: a fit's plan and its checks see the same figures.
+
+    The entry points of a fit (:func:`dkicf.incomplete_cholesky`,
+    :func:`dkicf.kmeans`, the estimator, the pipeline) run inside it, also as
+    a decorator; nested, the outermost one holds the measurement.  A worker
+    that joins or leaves is a new set of workers, measured anew.
+    """
+    if _FIT_MEASUREMENTS.get() is not None:
+        yield
+        return
+    token = _FIT_MEASUREMENTS.set({})
+    try:
+        yield
+    finally:
+        _FIT_MEASUREMENTS.reset(token)
 
 
 # Modules whose import a fit's tasks pay on a worker (part of its own memory).
@@ -148,30 +166,30 @@ def _reported_baseline(info: dict) -> int:
 def _measure(client) -> dict:
     """``{"own": bytes or None, "fraction": float or None, "info": scheduler info}``.
 
-    Measured on the workers with :func:`_probe`, and reused for
-    :data:`_BASELINE_TTL` seconds while the workers stay the same.
+    Measured on the workers with :func:`_probe`, once per fit and set of
+    workers (:func:`one_measurement`).
     """
-
     info = _scheduler_info(client)
     workers = tuple(sorted(info.get("workers", {})))
     run = getattr(client, "run", None)
     if run is None or not workers:
         return {"own": None, "fraction": None, "info": info}
-    now = time.monotonic()
-    for key in [k for k, (t, _) in _BASELINES.items() if now - t > _BASELINE_TTL]:
-        del _BASELINES[key]
+    fit = _FIT_MEASUREMENTS.get()
     key = (id(client), workers)
-    if key not in _BASELINES:
+    if fit is None or key not in fit:
         try:
             found = run(_probe)
         except Exception:  # a worker that left meanwhile, or remote functions refused
             found = {}
         probes = [v for v in found.values() if isinstance(v, dict)]
-        _BASELINES[key] = (now, {
+        measured = {
             "own": max((int(v["own"]) for v in probes), default=None),
             "fraction": min((float(v["fraction"]) for v in probes), default=None),
-        })
-    return {**_BASELINES[key][1], "info": info}
+        }
+        if fit is None:
+            return {**measured, "info": info}
+        fit[key] = measured
+    return {**fit[key], "info": info}
 
 
 def worker_baseline(client) -> int:
@@ -181,9 +199,9 @@ def worker_baseline(client) -> int:
     that the fit's tasks import: resident memory less the data dask manages
     there.  A dask worker with numpy, zarr and dkicf loaded uses about
     150 MiB this way.  Falls back to the unmanaged memory that the workers
-    last reported to the scheduler, then to 0.  One measurement is reused
-    for :data:`_BASELINE_TTL` seconds while the workers stay the same, so
-    that a fit's plan and its checks agree.
+    last reported to the scheduler, then to 0.  Within a fit
+    (:func:`one_measurement`) it is measured once, so that the fit's plan
+    and its checks agree.
 
     Parameters
     ----------

@@ -17,6 +17,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from . import io
 from ._chunk import check_finite
 from ._factor import ICFResult, _transform_block
+from ._memory import one_measurement
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from ._version import __version__
 from .icf import incomplete_cholesky
@@ -274,6 +275,7 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         """Fit and return the labels (a dask array, not gathered, for dask input)."""
         return self.fit(X, progress=progress).labels_
 
+    @one_measurement()
     def _fit(self, X, progress=None):
         dask_input = is_dask_array(X)
         if dask_input:

@@ -29,6 +29,7 @@ import numpy as np
 from . import pivoting as _pivoting
 from ._backends import DaskBackend, FactorBackend, NumpyBackend
 from ._factor import History, ICFProgress, ICFResult, PivotBlock, cut_factor
+from ._memory import one_measurement
 from ._validation import check_array_2d, is_dask_array
 from .checkpoint import open_storage
 from .errors import DegenerateKernelWarning, worker_failure, worker_failure_types
@@ -52,6 +53,7 @@ def _check_int(value, name, low=1):
     return int(value)
 
 
+@one_measurement()
 def incomplete_cholesky(
     X,
     *,

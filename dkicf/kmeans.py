@@ -52,6 +52,7 @@ from ._kmeans_runs import (
     _worker_failure,
 )
 from ._kmeans_tasks import _backend, _full_pass
+from ._memory import one_measurement
 from ._validation import check_array_2d, check_positive_int
 from .errors import worker_failure, worker_failure_types
 
@@ -66,6 +67,7 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- public API
 
 
+@one_measurement()
 def kmeans(
     P,
     n_clusters: int,

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import numpy as np
 
 from . import io
-from ._memory import worker_baseline, worker_memory_fraction
+from ._memory import one_measurement, worker_baseline, worker_memory_fraction
 from ._plan import FitPlan, _worker_resources, plan_fit
 from .estimator import KernelKMeans, _model_arrays_attrs, load
 from .icf import incomplete_cholesky
@@ -240,6 +240,7 @@ def _write_errors(store, out, checkpoint, params, save_p, storage_options):
         raise io.DkicfIOError(message + kept) from exc
 
 
+@one_measurement()
 def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, persist,
                  storage_options, progress, checkpoint, checkpoint_every, resume,
                  save_p) -> dict:

@@ -56,7 +56,6 @@ def own_cluster():
 def test_the_workers_own_memory_is_measured_on_them(client):
     import psutil
 
-    _memory._BASELINES.clear()
     measured = _memory.worker_baseline(client)
 
     def unmanaged(dask_worker):
@@ -74,7 +73,6 @@ def test_the_workers_own_memory_is_measured_on_them(client):
 def test_the_workers_own_thresholds_apply_unless_set_here(client):
     import dask
 
-    _memory._BASELINES.clear()
     assert _memory.worker_memory_fraction(client) == 0.6  # the workers' defaults
     with dask.config.set({"distributed.worker.memory.target": False,
                           "distributed.worker.memory.spill": 0.85}):
@@ -376,3 +374,24 @@ def test_workers_dying_again_and_again_fail_the_fit_instead_of_hanging(monkeypat
         cluster.close()
     assert info.value.stage == "factorization"
     assert time.monotonic() - started[0] < 90
+
+
+def test_a_fit_measures_its_workers_once_and_each_fit_anew():
+    class Counting(FakeClient):
+        runs = 0
+
+        def run(self, func):
+            Counting.runs += 1
+            return {w: {"own": 100 * MiB * Counting.runs, "fraction": 0.6}
+                    for w in self.workers}
+
+    client = Counting(2, 2**30)
+    with _memory.one_measurement():
+        first = _memory.worker_baseline(client)
+        with _memory.one_measurement():  # nested: the outer fit's measurement holds
+            assert _memory.worker_baseline(client) == first
+        assert _memory.worker_memory_fraction(client) == 0.6 and Counting.runs == 1
+        client.workers["tcp://w9"] = {"memory_limit": 2**30, "nthreads": 1}  # a worker joined
+        assert _memory.worker_baseline(client) == 200 * MiB and Counting.runs == 2
+    assert _memory.worker_baseline(client) == 300 * MiB  # outside a fit: measured anew
+    assert _memory.worker_baseline(client) == 400 * MiB
