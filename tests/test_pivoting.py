@@ -288,8 +288,9 @@ def test_block_size_memory_rule_counts_a_slice_of_rows_unless_p_is_in_zarr():
     in_zarr = SimpleNamespace(chunks=(500_000, 499_000), store=object())
     assert _rows_per_task(in_memory, 999_000) == rows
     assert _rows_per_task(in_zarr, 999_000) == 500_000
-    assert _rows_per_task(SimpleNamespace(), 10**6) == rows  # the numpy backend
-    assert _rows_per_task(SimpleNamespace(), 1000) == 1000
+    # The numpy backend (one chunk, P in memory).
+    assert _rows_per_task(SimpleNamespace(chunks=(10**6,), store=None), 10**6) == rows
+    assert _rows_per_task(SimpleNamespace(chunks=(1000,), store=None), 1000) == 1000
 
 
 def test_large_candidate_requests_are_mapped_not_sent_as_events(
