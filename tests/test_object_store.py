@@ -52,8 +52,12 @@ def _fs(options: dict):
 
 
 def _objects(options: dict, prefix: str) -> dict[str, bytes]:
+    return _objects_in(options, f"{BUCKET}/{prefix}")
+
+
+def _objects_in(options: dict, path: str) -> dict[str, bytes]:
     fs = _fs(options)
-    return {key: fs.cat_file(key) for key in sorted(fs.find(f"{BUCKET}/{prefix}"))}
+    return {key: fs.cat_file(key) for key in sorted(fs.find(path))}
 
 
 def _arrays(url: str, options: dict | None = None) -> dict:
@@ -187,3 +191,65 @@ def test_a_write_failing_partway_leaves_no_partial_output_and_the_checkpoint_res
     assert report.get("resumed_from_rank", 0) >= 4
     _assert_same(_arrays(out, s3), reference)
     assert _objects(s3, "data.zarr") == before
+
+
+def test_a_server_that_goes_away_mid_fit_leaves_at_most_a_marked_output_and_the_fit_resumes(
+        dataset, thread_client, tmp_path):
+    """The server stops in the factorization: the fit fails, its output cannot be removed
+    then; once the server is back, what is left is marked as a fit in progress (not a
+    model), the input is as it was, and the checkpoint resumes to the undisturbed fit."""
+    import boto3
+
+    from dkicf import load
+
+    _, reference = dataset
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    stopped: list[int] = []
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    # One try per request in botocore (s3fs still tries 5 times), so that the fit fails
+    # within seconds once the server has gone.
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+               "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}
+    try:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                     aws_access_key_id="testing", aws_secret_access_key="testing"
+                     ).create_bucket(Bucket="dkicf-outage")
+        url = "s3://dkicf-outage/data.zarr"
+        io.generate("blobs", url, 1000, chunk_rows=250, centers=3, storage_options=options)
+        before = _objects_in(options, "dkicf-outage/data.zarr")
+        out, ck = "s3://dkicf-outage/out.zarr", "s3://dkicf-outage/ck.zarr"
+
+        def stop(p):
+            if getattr(p, "rank", None) is not None and p.rank >= 6 and not stopped:
+                server.stop()
+                stopped.append(p.rank)
+
+        # The server's absence, not a checkpoint "removed while the fit ran".
+        with pytest.raises(Exception, match="Could not connect to the endpoint URL"):
+            pipeline.fit_store(url, out, PARAMS, client=thread_client, storage_options=options,
+                               checkpoint=ck, checkpoint_every=4, progress=stop)
+        assert stopped
+    finally:
+        if not stopped:
+            server.stop()
+    # The same port, and the same objects: moto keeps them in this process.
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        left = _objects_in(options, "dkicf-outage/out.zarr")
+        if left:  # the removal failed with the server gone
+            _, attrs = io.read_group(out, storage_options=options, names=[])
+            assert attrs["format"] == "dkicf-fit-in-progress"
+            with pytest.raises(ValueError, match="is not a dkicf model"):
+                load(out, storage_options=options)
+        assert _objects_in(options, "dkicf-outage/data.zarr") == before
+        report = pipeline.fit_store(url, out, PARAMS, client=thread_client,
+                                    storage_options=options, checkpoint=ck, checkpoint_every=4,
+                                    resume=True, overwrite=bool(left))
+        assert report.get("resumed_from_rank", 0) >= 4
+        _assert_same(_arrays(out, options), reference)
+    finally:
+        server.stop()
