@@ -206,7 +206,7 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
                     time.sleep(rng.uniform(0.0, 0.5))
                 elif stage == "write":
                     deadline = time.monotonic() + 300
-                    while time.monotonic() < deadline and not any(
+                    while time.monotonic() < deadline and not done.is_set() and not any(
                             (p / "labels").exists() for p in tmp.glob(f".{out.name}.dkicf-tmp-*")):
                         time.sleep(0.005)
                 else:
@@ -226,17 +226,23 @@ def chaos_workers(kills: int, seed: int, data: str, tmp: Path) -> Family:
                 pipeline.fit_store(data, str(out), PARAMS, client=client, progress=progress)
             except Exception as exc:  # noqa: BLE001 - a clean failure holds, with no output
                 clean = type(exc).__module__.startswith("dkicf")
-                family.case(clean and not out.exists(), lost=out.exists(),
-                            error_s=time.perf_counter() - t0)
+                staged = list(tmp.glob(f".{out.name}.dkicf-tmp-*"))
+                family.case(clean and not out.exists() and not staged,
+                            lost=out.exists() or bool(staged), error_s=time.perf_counter() - t0)
+                outcome = f"error {type(exc).__name__}"
             else:
                 same = _same(_model(str(out)), expected)
                 family.case(same, lost=not same)
+                outcome = "same" if same else "DIFFERENT"
             done.set()
             trigger.set()
             thread.join(60)
             delivered[stage] += len(killed)
+            print(f"#   worker kill {run}: {stage}, {len(killed)} killed, {outcome}, "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             try:
-                client.wait_for_workers(3, timeout=300)
+                # A nanny brings its worker back in seconds; now and then one does not.
+                client.wait_for_workers(3, timeout=60)
             except Exception:  # noqa: BLE001 - a worker that does not come back is replaced
                 restarts += 1
                 cluster = client.cluster
@@ -289,6 +295,8 @@ def chaos_driver(kills: int, seed: int, data: str, tmp: Path) -> Family:
                                   env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
             partial = out.exists()
             if proc.returncode != -signal.SIGKILL:
+                print(f"#   driver kill {run}: not killed (exit {proc.returncode}): "
+                      f"{proc.stderr[-500:]}", file=sys.stderr, flush=True)
                 family.case(False, lost=partial)
                 continue
             t0 = time.perf_counter()
@@ -300,6 +308,9 @@ def chaos_driver(kills: int, seed: int, data: str, tmp: Path) -> Family:
                 continue
             same = _same(_model(str(out)), expected)
             family.case(same and not partial, lost=partial or not same)
+            print(f"#   driver kill {run}: {'k-means' if in_kmeans else 'factorization'} at "
+                  f"{at}, {'same' if same else 'DIFFERENT'}"
+                  f"{', partial output' if partial else ''}", file=sys.stderr, flush=True)
         family.notes = f"{kills} kills, alternately in the factorization and in k-means"
     finally:
         cluster = client.cluster

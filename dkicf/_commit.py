@@ -108,6 +108,9 @@ def _check_still_there(url: str, kind: str, what: str, options: dict | None = No
     arrays and no commit (or another run's commit) behind.
     """
     if _dkicf_attrs(url, kind, options) is None:
+        # A store that cannot be reached fails here, instead of being reported
+        # as a removed checkpoint (which would be given up though it resumes).
+        _occupied(url, options)
         raise DkicfIOError(
             f"the {what} at {url!r} was removed or replaced while the fit ran; the fit stops "
             "rather than write a partial checkpoint there. Run it again (with a new "

@@ -386,6 +386,7 @@ def _who_holds(keys: list, dask_scheduler=None) -> list:
     out = []
     for key in keys:
         ts = dask_scheduler.tasks.get(key)
-        holders = sorted(ws.address for ws in ts.who_has) if ts is not None else []
+        # who_has is None, not empty, for a task no worker holds.
+        holders = sorted(ws.address for ws in ts.who_has or ()) if ts is not None else []
         out.append(holders[0] if holders else None)
     return out

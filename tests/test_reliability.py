@@ -759,3 +759,19 @@ def test_lengths_past_int64_and_fill_values_out_of_range_are_refused(tmp_path):
     meta.write_text(json.dumps(edited))
     with pytest.raises(DkicfIOError, match="cannot open the Zarr array at .*d.zarr/X"):
         io.open_dataset(tmp_path / "d.zarr")
+
+
+def test_the_placement_lookup_takes_a_task_that_no_worker_holds():
+    """The scheduler keeps ``who_has`` None (not empty) for a task held nowhere: the lookup
+    of where X's chunks live answers None for it instead of failing on the scheduler."""
+    from types import SimpleNamespace
+
+    from dkicf._backends import _who_holds
+
+    def worker(address):
+        return SimpleNamespace(address=address)
+
+    tasks = {"lost": SimpleNamespace(who_has=None),
+             "held": SimpleNamespace(who_has=[worker("tcp://b:2"), worker("tcp://a:1")])}
+    assert _who_holds(["lost", "held", "forgotten"], SimpleNamespace(tasks=tasks)) == [
+        None, "tcp://a:1", None]
