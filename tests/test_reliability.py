@@ -766,7 +766,7 @@ def test_the_placement_lookup_takes_a_task_that_no_worker_holds():
     of where X's chunks live answers None for it instead of failing on the scheduler."""
     from types import SimpleNamespace
 
-    from dkicf._backends import _who_holds
+    from dkicf._services import _who_holds
 
     def worker(address):
         return SimpleNamespace(address=address)
