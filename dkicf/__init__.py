@@ -6,7 +6,6 @@ import importlib
 import sys
 import types
 
-from ._cluster import local_cluster
 from .errors import (
     CheckpointMismatchError,
     DegenerateKernelWarning,
@@ -25,6 +24,7 @@ _LAZY = {
     "KMeansProgress": ".kmeans",
     "KMeansResult": ".kmeans",
     "assign": ".kmeans",
+    "local_cluster": ".deploy",
     "make_kernel": ".kernels",
     "median_gamma": ".kernels",
 }

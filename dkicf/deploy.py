@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._cluster import all_workers
 from .errors import DkicfError
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ __all__ = [
     "connect",
     "jobqueue_script",
     "kubernetes_spec",
+    "local_cluster",
     "make_security",
     "start_cluster",
 ]
@@ -1004,8 +1006,6 @@ def _wait_options(options: dict) -> dict:
 
 
 def _joined(client) -> int:
-    from ._cluster import all_workers
-
     return len(all_workers(client))
 
 
@@ -1169,3 +1169,29 @@ def start_cluster(kind: str = "local", **options):
         cluster.close()
         raise
     return client, cluster
+
+
+def local_cluster(
+    n_workers: int = 2,
+    threads_per_worker: int = 1,
+    memory_limit: str | int | None = "auto",
+    *,
+    dashboard: bool = False,
+):
+    """Start a LocalCluster bound to 127.0.0.1 and return a client connected to it.
+
+    The workers are separate processes.  Without ``dashboard=True`` the
+    scheduler's HTTP port serves only ``/health``; with it, the dashboard is
+    on 127.0.0.1 only.  Close both when done:
+    ``cluster = client.cluster; client.close(); cluster.close()``.
+
+    Examples
+    --------
+    >>> import dkicf
+    >>> client = dkicf.local_cluster(n_workers=1)  # doctest: +SKIP
+    """
+    client, _ = start_cluster(
+        "local", workers=n_workers, threads=threads_per_worker, memory_limit=memory_limit,
+        dashboard=dashboard,
+    )
+    return client

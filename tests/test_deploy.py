@@ -1747,3 +1747,4 @@ def _tiny_store(path):
 
     X = np.random.default_rng(0).normal(size=(60, 2))
     io.write_group(str(path), {"X": X}, {})
+
