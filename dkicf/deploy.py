@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _config
 from ._cluster import all_workers
 from .errors import DkicfError
 
@@ -1172,9 +1173,9 @@ def start_cluster(kind: str = "local", **options):
 
 
 def local_cluster(
-    n_workers: int = 2,
-    threads_per_worker: int = 1,
-    memory_limit: str | int | None = "auto",
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    memory_limit: str | int | None = None,
     *,
     dashboard: bool = False,
 ):
@@ -1185,11 +1186,37 @@ def local_cluster(
     on 127.0.0.1 only.  Close both when done:
     ``cluster = client.cluster; client.close(); cluster.close()``.
 
+    Parameters
+    ----------
+    n_workers : int, optional
+        Worker processes; by default dask's setting ``dkicf.cluster.workers``
+        (2 unless configured), as for the ``dkicf`` command.
+    threads_per_worker : int, optional
+        By default ``dkicf.cluster.threads`` (1 unless configured).
+    memory_limit : str or int, optional
+        Per worker, e.g. ``"4GiB"``; ``"auto"`` shares the machine's memory
+        among the workers.  By default ``dkicf.cluster.memory-limit`` (``auto``
+        unless configured).
+    dashboard : bool
+        Serve the dask dashboard (on 127.0.0.1 only).
+
+    Returns
+    -------
+    distributed.Client
+
     Examples
     --------
+    >>> import dask
     >>> import dkicf
-    >>> client = dkicf.local_cluster(n_workers=1)  # doctest: +SKIP
+    >>> with dask.config.set({"dkicf.cluster.workers": 4}):
+    ...     client = dkicf.local_cluster()  # doctest: +SKIP
     """
+    if n_workers is None:
+        n_workers = _config.get("cluster.workers")
+    if threads_per_worker is None:
+        threads_per_worker = _config.get("cluster.threads")
+    if memory_limit is None:
+        memory_limit = _config.get("cluster.memory-limit")
     client, _ = start_cluster(
         "local", workers=n_workers, threads=threads_per_worker, memory_limit=memory_limit,
         dashboard=dashboard,
