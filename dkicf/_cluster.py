@@ -72,39 +72,3 @@ def get_client(client=None, *, timeout: float = 10.0):
             "or `distributed.Client(address)` to connect to a running scheduler."
         ) from None
 
-
-_RSS_PEAK = {"value": 0, "thread": None}
-
-
-def start_rss_sampler(interval: float = 0.02) -> bool:
-    """Sample this process's resident memory in a thread; run on workers with ``client.run``.
-
-    Unlike ``ru_maxrss`` this ignores the start-up of the process: it measures
-    the peak from now on.  Read it with :func:`rss_sampler_peak`.
-    """
-    import threading
-    import time
-
-    import psutil
-
-    if _RSS_PEAK["thread"] is not None:
-        _RSS_PEAK["value"] = 0
-        return True
-    proc = psutil.Process()
-
-    def sample():
-        while True:
-            _RSS_PEAK["value"] = max(_RSS_PEAK["value"], proc.memory_info().rss)
-            time.sleep(interval)
-
-    thread = threading.Thread(target=sample, name="dkicf-rss", daemon=True)
-    _RSS_PEAK["thread"] = thread
-    thread.start()
-    return True
-
-
-def rss_sampler_peak() -> int:
-    """Largest resident memory (bytes) seen since :func:`start_rss_sampler`."""
-    import psutil
-
-    return max(_RSS_PEAK["value"], psutil.Process().memory_info().rss)

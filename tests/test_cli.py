@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,7 +223,7 @@ def test_generate_writes_chunk_by_chunk(tmp_path):
 
 
 @pytest.mark.slow
-def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
+def test_out_of_core_fit_stays_within_worker_memory(tmp_path, monkeypatch):
     """X is twice the worker's memory limit; the fit completes and the worker stays below it."""
     import dask
     import distributed  # noqa: F401  (its configuration must be loaded before we set it)
@@ -235,6 +236,10 @@ def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
                 chunk_rows=16384, dtype="float32", random_state=0)
     data_bytes = n * d * 4
     limit = 256 * 2**20
+    # The workers, spawned with this sys.path, import the sampler by name too.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _rss import rss_sampler_peak, start_rss_sampler
+
     # No pausing or spilling: if memory grew with the data the worker would be
     # killed (and this test fail) instead of the fit hanging or spilling to disk.
     with dask.config.set({"distributed.worker.memory.pause": False,
@@ -242,8 +247,6 @@ def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
                           "distributed.worker.memory.target": False}):
         client = local_cluster(1, 1, memory_limit=limit)
     try:
-        from dkicf._cluster import rss_sampler_peak, start_rss_sampler
-
         client.run(start_rss_sampler)
         report = fit_store(
             str(tmp_path / "big.zarr"), str(tmp_path / "out.zarr"),
