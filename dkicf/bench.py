@@ -30,8 +30,9 @@ runs, with the same derived seed, so a repeat's labels are those of that
 estimator's ``fit``.  Every baseline is timed as one call to its ``fit``
 (kernel matrix, factorization or features included).
 
-The CLI entry is ``dkicf bench paper``; :func:`add_parser` and :func:`run_cli`
-plug it into :mod:`dkicf.cli`.
+The CLI entry is ``dkicf bench paper``; :func:`add_parser` (from
+:mod:`dkicf._bench_grid`, which the command line's parser imports without
+this module's baselines) and :func:`run_cli` plug it into :mod:`dkicf.cli`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ._bench_grid import (
+    DEFAULT_DATASETS,
+    DEFAULT_SIZES,
+    DEFAULT_TRACE_DATASETS,
+    METHOD_LABELS,
+    METHODS,
+    PAPER_MAX_ITER,
+    SYNTHETIC,
+    add_parser,
+    known_datasets,
+)
 from .baselines import (
     ApproxKernelKMeans,
     ExactKernelKMeans,
@@ -57,12 +69,11 @@ from .baselines import (
     NystromKernelKMeans,
     RFFKernelKMeans,
 )
-from .datasets import DATASETS, PAPER_GAMMA, PAPER_SUBSET_SIZE, load_dataset
+from .datasets import PAPER_GAMMA, PAPER_SUBSET_SIZE, load_dataset
 from .estimator import KernelKMeans
 from .icf import ICFResult, incomplete_cholesky
 from .kmeans import kmeans
 from .metrics import clustering_accuracy, nmi
-from .synthetic import make_parabolic, make_ring, make_zigzag
 
 __all__ = [
     "METHODS",
@@ -75,19 +86,6 @@ __all__ = [
     "run_cli",
 ]
 
-#: Method keys in the order of the tables; ``"kernel"`` and ``"kernel+chol"``
-#: use the full kernel matrix and have no subset size.
-METHODS: tuple[str, ...] = ("icf", "kernel", "kernel+chol", "approx", "rff", "nystrom")
-
-METHOD_LABELS: dict[str, str] = {
-    "icf": "ICF",
-    "kernel": "Kernel",
-    "kernel+chol": "Kernel+Chol",
-    "approx": "Approx",
-    "rff": "RFF",
-    "nystrom": "Nyström",
-}
-
 _FULL_METHODS = ("kernel", "kernel+chol")
 _ALIASES = {"nyström": "nystrom", "exact": "kernel", "chol": "kernel+chol"}
 _STYLE = {
@@ -99,23 +97,10 @@ _STYLE = {
     "nystrom": ("tab:blue", "D"),
 }
 
-#: The paper's 2-D sets: generator and Gaussian width (2 clusters x 500 points, s = 50).
-SYNTHETIC: dict[str, tuple[Callable, float]] = {
-    "ring": (make_ring, 2.0**4),
-    "parabolic": (make_parabolic, 2.0**1),
-    "zigzag": (make_zigzag, 2.0**3),
-}
 _SYNTHETIC_N = 1000
 _SYNTHETIC_RANK = 50
 
-#: The real datasets the paper clusters, and its grid of subset sizes.
-DEFAULT_DATASETS: tuple[str, ...] = ("pendigits", "satimage", "shuttle", "mnist")
-DEFAULT_SIZES: tuple[int, ...] = (25, 50, 100, 200, 500, 1000)
-DEFAULT_TRACE_DATASETS: tuple[str, ...] = ("usps", "mnist")
-
 PAPER_TOL = 1e-3  # the paper's epsilon for the ICF trace error
-PAPER_MAX_ITER = 1000  # the paper's cap on k-means and kernel k-means iterations
-
 _DISPLAY = {
     "pendigits": "PenDigits",
     "satimage": "Satimage",
@@ -136,11 +121,6 @@ _TRACE_MARKS = (10, 25, 50, 100, 200, 300, 500, 700, 1000, 2000)
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def known_datasets() -> tuple[str, ...]:
-    """Names :func:`run_paper` accepts: the paper's real datasets and its 2-D sets."""
-    return DATASETS + tuple(SYNTHETIC)
 
 
 @dataclass
@@ -1226,90 +1206,6 @@ def _small_time_figure(plt, path, summary, grid, loaded) -> None:
             ax.set_ylim(0, max(heights) * 1.15)
         ax.grid(True, axis="y", which="both", alpha=0.3)
     _save(plt, fig, path)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def _key_value(text: str) -> tuple[str, int]:
-    key, sep, value = text.partition("=")
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if not sep or not key or number < 1:
-        raise argparse.ArgumentTypeError(f"expected NAME=COUNT with COUNT >= 1, got {text!r}")
-    return key, number
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``bench`` with its ``paper`` subcommand to the CLI's subparsers.
-
-    Parameters
-    ----------
-    subparsers : argparse._SubParsersAction
-        The top-level ``add_subparsers()`` object of ``dkicf``.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The ``bench`` parser.
-    """
-    bench = subparsers.add_parser("bench", help="benchmarks: reproduce the paper's experiments")
-    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    sub.required = True
-    p = sub.add_parser(
-        "paper",
-        help="every method on the paper's grid: results.csv, results.md and PNG figures",
-        description="Run ICF kernel k-means and the paper's baselines over datasets x subset "
-                    "sizes x repeats; write results.csv, results.md and the figures.",
-    )
-    p.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), metavar="NAME",
-                   help=f"from {', '.join(known_datasets())}; NAME:N for a seeded subsample "
-                        f"(default: {' '.join(DEFAULT_DATASETS)})")
-    p.add_argument("--sizes", nargs="+", type=_positive, default=list(DEFAULT_SIZES),
-                   metavar="S", help="subset sizes (default: 25 50 100 200 500 1000)")
-    p.add_argument("--repeats", type=_positive, default=10, help="runs per cell (default: 10)")
-    p.add_argument("--out-dir", default="docs/results",
-                   help="output folder (default: docs/results)")
-    p.add_argument("--data-home", help="folder holding the <name>.npz files")
-    p.add_argument("--methods", nargs="+", metavar="METHOD",
-                   help=f"subset of {', '.join(METHODS)} (default: all)")
-    p.add_argument("--max-exact-n", type=_positive, default=12000,
-                   help="largest n for Kernel and Kernel+Chol (default: 12000)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace-datasets", nargs="*", default=list(DEFAULT_TRACE_DATASETS),
-                   metavar="NAME", help="datasets of the trace-error figure (default: usps mnist)")
-    p.add_argument("--trace-rank", type=_positive, default=1000,
-                   help="largest rank of the trace-error curves (default: 1000)")
-    p.add_argument("--no-synthetic", dest="synthetic", action="store_false",
-                   help="skip the Ring / Parabolic / Zigzag figure")
-    p.add_argument("--n-init", type=_positive, default=1,
-                   help="k-means restarts in every fit (default: 1)")
-    p.add_argument("--max-iter", type=_positive, default=PAPER_MAX_ITER,
-                   help="k-means iteration cap (default: 1000)")
-    p.add_argument("--dataset-repeats", nargs="+", type=_key_value, default=[],
-                   metavar="NAME=R", help="fewer (or more) repeats for some datasets")
-    p.add_argument("--method-repeats", nargs="+", type=_key_value, default=[],
-                   metavar="METHOD=R", help="at most R repeats for some methods")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the runs already in OUT_DIR/results.csv and do only the missing "
-                        "ones (same seed and data; checked)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in OUT_DIR")
-    p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
-                   help="no progress bar")
-    return bench
 
 
 def run_cli(args: argparse.Namespace) -> int:
