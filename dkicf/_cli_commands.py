@@ -21,7 +21,7 @@ import psutil
 from dask.utils import parse_bytes
 
 from . import bench, deploy, io
-from ._cli_parser import UsageError
+from ._cli_parser import UsageError, kernel_hyperparameters
 from ._config import get
 from .estimator import KernelKMeans, load
 from .pipeline import describe, fit_store, plan_fit, predict_store
@@ -363,8 +363,9 @@ def _cmd_fit(args) -> int:
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.store, args.out, args.checkpoint)
     params = dict(
-        n_clusters=args.clusters, kernel=args.kernel, gamma=args.gamma, degree=args.degree,
-        coef0=args.coef0, rank=args.rank, tol=args.tol, pivoting=args.pivoting,
+        n_clusters=args.clusters, kernel=args.kernel,
+        **{hp.name: getattr(args, hp.name) for hp in kernel_hyperparameters()},
+        rank=args.rank, tol=args.tol, pivoting=args.pivoting,
         algorithm=args.algorithm, init=args.init,
         batch_size=args.batch_size, n_init=args.n_init, max_iter=args.max_iter,
         random_state=args.seed,

@@ -1,7 +1,7 @@
 """The ``dkicf`` command line's parser: its commands, flags and their defaults.
 
-It imports no more than the names the flags offer (k-means algorithms,
-dkicf's dask settings), so that ``dkicf --help`` and a usage
+It imports no more than the names the flags offer (kernels, k-means
+algorithms, dkicf's dask settings), so that ``dkicf --help`` and a usage
 error answer at once; :mod:`dkicf._cli_commands` runs what it parsed.
 """
 
@@ -12,9 +12,10 @@ import argparse
 from . import __version__
 from ._bench_grid import add_parser as _add_bench_parser
 from ._config import get
+from .kernels import HYPERPARAMETERS, KERNELS, HyperParameter, kernel_names
 from .kmeans import ALGORITHMS, INITS  # names only: numpy and scipy, but no cluster code
 
-__all__ = ["UsageError", "build_parser"]
+__all__ = ["UsageError", "build_parser", "kernel_hyperparameters"]
 
 
 class UsageError(Exception):
@@ -130,29 +131,25 @@ def _seed(text: str) -> int:
     return value
 
 
-def _gamma(text: str):
-    if text == "median":
-        return "median"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number, a power like 2^-6, or 'median', got {text!r}"
-        ) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"gamma must be > 0, got {text}")
-    return value
+def kernel_hyperparameters() -> list[HyperParameter]:
+    """The hyper-parameters of the registered kernels, one ``--<name>`` flag each."""
+    names = dict.fromkeys(name for cls in KERNELS.values() for name in cls.hyperparameters)
+    return [HYPERPARAMETERS[name] for name in names]
 
 
-def _gamma_arg(text: str):
-    # Accept the paper's notation 2^-6 as well as plain numbers.
-    if "^" in text:
-        base, _, exp = text.partition("^")
+def _flag_type(read):
+    """``read`` as an argparse type: its ValueError becomes the flag's error message."""
+    def flag_type(text: str):
         try:
-            return float(base) ** float(exp)
-        except ValueError:
-            pass
-    return _gamma(text)
+            return read(text)
+        except ValueError as exc:
+            if isinstance(read, type):  # float, int: argparse's own message
+                raise argparse.ArgumentTypeError(
+                    f"invalid {read.__name__} value: {text!r}") from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    flag_type.__name__ = getattr(read, "__name__", "value")
+    return flag_type
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -254,15 +251,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("fit", help="cluster a Zarr dataset and write the model and labels")
     p.add_argument("store", help="Zarr dataset (group with X, or an array)")
     p.add_argument("--clusters", type=_positive_int, required=True, help="number of clusters k")
-    p.add_argument("--kernel", default="gaussian",
-                   choices=["gaussian", "rbf", "laplacian", "polynomial", "linear"],
+    p.add_argument("--kernel", default="gaussian", choices=kernel_names(),
                    help="kernel (default: gaussian, exp(-gamma*|x-y|^2))")
-    p.add_argument("--gamma", type=_gamma_arg, default="median",
-                   help="kernel width (number, 2^e, or 'median'; default: median)")
-    p.add_argument("--degree", type=_positive_int, default=3,
-                   help="degree of the polynomial kernel (default: 3)")
-    p.add_argument("--coef0", type=float, default=1.0,
-                   help="constant term of the polynomial kernel (default: 1.0)")
+    for hp in kernel_hyperparameters():
+        p.add_argument(f"--{hp.name}", type=_flag_type(hp.from_text), default=hp.default,
+                       help=hp.help)
     p.add_argument("--rank", type=_positive_int, default=get("fit.rank"),
                    help=f"rank s (default: {get('fit.rank')}, dask config dkicf.fit.rank)")
     p.add_argument("--tol", type=float, default=1e-3, help="trace-error tolerance (default: 1e-3)")

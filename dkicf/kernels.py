@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.spatial.distance import cdist
 
 __all__ = [
     "Kernel",
@@ -301,6 +300,10 @@ class LaplacianKernel(_WidthKernel):
     name = "laplacian"
 
     def block(self, A, B, a_aux=None, b_aux=None):
+        # Imported here: scipy.spatial would double what the command line's
+        # parser, which reads the registry, takes to start.
+        from scipy.spatial.distance import cdist
+
         out = cdist(np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64), "cityblock")
         out *= -self.gamma
         np.exp(out, out=out)

@@ -695,3 +695,46 @@ def test_convert_columns_flags(tmp_path, capsys):
                                   [[1, 2], [3, 4]])
     np.testing.assert_array_equal(io.open_dataset(str(tmp_path / "u.zarr"))[0].compute(),
                                   [[2, 1], [4, 3]])
+
+
+def test_fit_takes_every_registered_kernel_name_and_its_hyperparameters():
+    """--kernel and the hyper-parameter flags come from dkicf.kernels' registry."""
+    from dkicf.cli import build_parser
+    from dkicf.kernels import HYPERPARAMETERS, KERNELS, Kernel, kernel_names, register_kernel
+
+    base = ["fit", "d.zarr", "--clusters", "2", "--out", "o.zarr"]
+    assert {"gaussian", "rbf", "laplacian", "polynomial", "poly", "linear"} <= set(kernel_names())
+    for name in kernel_names():
+        args = build_parser(["fit"]).parse_args(base + ["--kernel", name])
+        assert args.kernel == name
+        for key in KERNELS[name].hyperparameters:
+            assert getattr(args, key) == HYPERPARAMETERS[key].default
+    args = build_parser(["fit"]).parse_args(base + ["--kernel", "poly", "--gamma", "2^-2",
+                                                    "--degree", "2", "--coef0", "0.5"])
+    assert (args.gamma, args.degree, args.coef0) == (0.25, 2, 0.5)
+
+    class TestOnlyKernel(Kernel):
+        name = "test-only"
+        aliases = ("test-only-alias",)
+        hyperparameters = ("gamma",)
+
+        def __init__(self, gamma):
+            self.gamma = float(gamma)
+
+        def diag(self, X, aux=None):
+            return np.ones(len(X))
+
+        def block(self, A, B, a_aux=None, b_aux=None):
+            return np.exp(-self.gamma * np.abs(A[:, None, 0] - B[None, :, 0]))
+
+    saved = dict(KERNELS)
+    try:
+        register_kernel(TestOnlyKernel)
+        for name in ("test-only", "test-only-alias"):
+            args = build_parser(["fit"]).parse_args(base + ["--kernel", name, "--gamma", "3"])
+            assert (args.kernel, args.gamma) == (name, 3.0)
+    finally:
+        KERNELS.clear()
+        KERNELS.update(saved)
+    with pytest.raises(SystemExit):
+        build_parser(["fit"]).parse_args(base + ["--kernel", "test-only"])
