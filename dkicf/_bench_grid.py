@@ -14,11 +14,15 @@ from .synthetic import make_parabolic, make_ring, make_zigzag
 
 __all__ = [
     "METHODS",
+    "FULL_METHODS",
     "METHOD_LABELS",
     "SYNTHETIC",
+    "SYNTHETIC_RANK",
+    "DISPLAY",
     "DEFAULT_DATASETS",
     "DEFAULT_SIZES",
     "DEFAULT_TRACE_DATASETS",
+    "PAPER_TOL",
     "PAPER_MAX_ITER",
     "known_datasets",
     "add_parser",
@@ -27,6 +31,9 @@ __all__ = [
 #: Method keys in the order of the tables; ``"kernel"`` and ``"kernel+chol"``
 #: use the full kernel matrix and have no subset size.
 METHODS: tuple[str, ...] = ("icf", "kernel", "kernel+chol", "approx", "rff", "nystrom")
+
+#: The methods on the full kernel matrix (no subset size).
+FULL_METHODS: tuple[str, ...] = ("kernel", "kernel+chol")
 
 METHOD_LABELS: dict[str, str] = {
     "icf": "ICF",
@@ -43,12 +50,26 @@ SYNTHETIC: dict[str, tuple[Callable, float]] = {
     "parabolic": (make_parabolic, 2.0**1),
     "zigzag": (make_zigzag, 2.0**3),
 }
+SYNTHETIC_RANK = 50
+
+#: How tables and figures name the datasets.
+DISPLAY: dict[str, str] = {
+    "pendigits": "PenDigits",
+    "satimage": "Satimage",
+    "shuttle": "Shuttle",
+    "mnist": "MNIST",
+    "usps": "USPS",
+    "ring": "Ring",
+    "parabolic": "Parabolic",
+    "zigzag": "Zigzag",
+}
 
 #: The real datasets the paper clusters, and its grid of subset sizes.
 DEFAULT_DATASETS: tuple[str, ...] = ("pendigits", "satimage", "shuttle", "mnist")
 DEFAULT_SIZES: tuple[int, ...] = (25, 50, 100, 200, 500, 1000)
 DEFAULT_TRACE_DATASETS: tuple[str, ...] = ("usps", "mnist")
 
+PAPER_TOL = 1e-3  # the paper's epsilon for the ICF trace error
 PAPER_MAX_ITER = 1000  # the paper's cap on k-means and kernel k-means iterations
 
 
