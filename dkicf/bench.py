@@ -4,8 +4,14 @@
 paper's baselines (:mod:`dkicf.baselines`) over datasets x subset sizes x
 repeats, and writes to ``out_dir``:
 
-* ``results.csv``: one row per fit (accuracy, NMI, wall time), written as the
-  run goes, so a long run can be followed and a partial one is not lost;
+* ``results.csv``: one row per fit, written as the run goes, so a long run
+  can be followed and a partial one is not lost.  Its columns: ``experiment``
+  (``"grid"`` or ``"synthetic"``), ``dataset``, ``n``, ``n_features``,
+  ``n_clusters``, ``gamma``, ``method``, ``size`` (None for the full-kernel
+  methods), ``rank`` (ICF's rank reached), ``repeat``, ``seed``, ``acc``,
+  ``nmi``, ``time_s`` (wall seconds of the fit; for ICF factorization up to
+  ``s`` plus k-means), ``factor_time_s`` and ``kmeans_time_s`` (ICF's two
+  parts), ``n_iter`` and ``note`` (warnings raised by the fit);
 * ``results.md``: the run's settings, then per dataset a table of mean ± std
   of accuracy and NMI and the median time per method and subset size, the ICF
   trace errors and the synthetic results;
@@ -29,6 +35,16 @@ of the longer run would count the rest of that pass.)  The k-means step is the o
 runs, with the same derived seed, so a repeat's labels are those of that
 estimator's ``fit``.  Every baseline is timed as one call to its ``fit``
 (kernel matrix, factorization or features included).
+
+Resuming a run
+--------------
+With ``resume=True`` a run is identified by experiment, dataset, method,
+size and repeat; the rows already in ``results.csv`` are kept and only the
+missing runs are done.  The trace-error curves of an existing
+``trace_error.csv`` are reused when they reach the rank asked for.  The old
+rows must come from the same ``seed`` and data (checked: ``n``, ``gamma`` and
+every repeat's seed); ``n_init`` and ``max_iter`` are not stored, so keep
+them too.
 
 The CLI entry is ``dkicf bench paper``; :func:`add_parser` (from
 :mod:`dkicf._bench_grid`, which the command line's parser imports without
@@ -449,24 +465,14 @@ _FIGURES = ("trace_error.png", "synthetic.png", "accuracy.png", "time.png", "tim
 
 
 def run_paper(
-    datasets: Sequence[str] = DEFAULT_DATASETS,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    repeats: int = 10,
-    out_dir: str | os.PathLike = "docs/results",
-    *,
-    data_home: str | os.PathLike | None = None,
-    methods: Sequence[str] | None = None,
-    progress: bool = True,
-    max_exact_n: int = 12000,
-    seed: int = 0,
-    trace_datasets: Sequence[str] | None = DEFAULT_TRACE_DATASETS,
-    trace_rank: int = 1000,
-    synthetic: bool = True,
-    n_init: int = 1,
-    max_iter: int = PAPER_MAX_ITER,
+    datasets: Sequence[str] = DEFAULT_DATASETS, sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 10, out_dir: str | os.PathLike = "docs/results", *,
+    data_home: str | os.PathLike | None = None, methods: Sequence[str] | None = None,
+    progress: bool = True, max_exact_n: int = 12000, seed: int = 0,
+    trace_datasets: Sequence[str] | None = DEFAULT_TRACE_DATASETS, trace_rank: int = 1000,
+    synthetic: bool = True, n_init: int = 1, max_iter: int = PAPER_MAX_ITER,
     dataset_repeats: Mapping[str, int] | None = None,
-    method_repeats: Mapping[str, int] | None = None,
-    resume: bool = False,
+    method_repeats: Mapping[str, int] | None = None, resume: bool = False,
     overwrite: bool = False,
 ) -> list[dict]:
     """Run every method over the paper's grid and write the tables and figures.
@@ -523,13 +529,8 @@ def run_paper(
         A cap on the repeats of some methods (e.g. ``{"kernel+chol": 3}``).
     resume : bool, default=False
         Keep the rows of an existing ``out_dir/results.csv`` and run only the
-        missing ones (a run is identified by experiment, dataset, method, size
-        and repeat), so an interrupted run continues, and a run can be
-        extended with more sizes or repeats.  The trace-error curves of an
-        existing ``trace_error.csv`` are reused when they reach the rank asked
-        for.  The old rows must come from the same ``seed`` and data (checked:
-        ``n``, ``gamma`` and every repeat's seed); ``n_init`` and ``max_iter``
-        are not stored, so keep them too.
+        missing ones: an interrupted run continues, a run takes more sizes or
+        repeats (see "Resuming a run" in the module's documentation).
     overwrite : bool, default=False
         Replace the results of an earlier run in ``out_dir`` (its figures
         that this run does not draw are removed at the end).
@@ -537,13 +538,8 @@ def run_paper(
     Returns
     -------
     list of dict
-        The rows of ``results.csv``: ``experiment`` (``"grid"`` or
-        ``"synthetic"``), ``dataset``, ``n``, ``n_features``, ``n_clusters``,
-        ``gamma``, ``method``, ``size`` (None for the full-kernel methods),
-        ``rank`` (ICF's rank reached), ``repeat``, ``seed``, ``acc``, ``nmi``,
-        ``time_s`` (wall seconds of the fit; for ICF factorization up to ``s``
-        plus k-means), ``factor_time_s`` and ``kmeans_time_s`` (ICF's two
-        parts), ``n_iter`` and ``note`` (warnings raised by the fit).
+        The rows of ``results.csv`` (its columns are in the module's
+        documentation).
 
     Raises
     ------
@@ -565,6 +561,76 @@ def run_paper(
     ['icf', 'nystrom']
     """
     started = time.perf_counter()
+    plan = _check_settings(
+        datasets, sizes, repeats, methods=methods, max_exact_n=max_exact_n, seed=seed,
+        trace_datasets=trace_datasets, trace_rank=trace_rank, synthetic=synthetic,
+        n_init=n_init, max_iter=max_iter, dataset_repeats=dataset_repeats,
+        method_repeats=method_repeats, data_home=data_home,
+    )
+    out = Path(out_dir)
+    stale, previous, old_traces = _earlier_run(out, plan, resume=resume, overwrite=overwrite)
+    bar = _Progress(_plan_runs(plan, previous, old_traces), progress)
+    recorder = _Recorder(out / "results.csv", previous)
+    synthetic_fits = {}  # the first repeat on each 2-D set, to draw
+    try:
+        if synthetic:
+            synthetic_fits = _run_synthetic(plan, previous, recorder, bar)
+        _run_grid(plan, previous, recorder, bar)
+    finally:
+        if plan.refreshed:
+            recorder.rewrite()
+        recorder.close()
+        bar.close()
+    _write_outputs(out, plan, recorder.rows, synthetic_fits, stale=stale,
+                   elapsed=time.perf_counter() - started, resumed=len(previous))
+    return recorder.rows
+
+
+@dataclass
+class _Plan:
+    """A run of the grid: its checked settings, its data, and the runs it still has to do."""
+
+    datasets: list[str]
+    trace_datasets: list[str]
+    sizes: tuple[int, ...]
+    repeats: int
+    methods: tuple[str, ...]
+    max_exact_n: int
+    trace_rank: int
+    n_init: int
+    max_iter: int
+    seed: int
+    synthetic: bool
+    d_repeats: dict[str, int]
+    m_repeats: dict[str, int]
+    loaded: dict[str, _Data]
+    done: set = field(default_factory=set)  # (experiment, dataset, method, size, repeat)
+    # The runs still to do per dataset, as (method, size or None, repeat), in run order.
+    grid: dict[str, list[tuple[str, int | None, int]]] = field(default_factory=dict)
+    need: dict[str, int] = field(default_factory=dict)  # ranks to factorize per dataset
+    traces: dict[str, Trace] = field(default_factory=dict)
+    refreshed: int = 0  # kept ICF rows whose factorization time this run measured again
+
+    @property
+    def sized(self) -> list[str]:
+        """The methods that take a subset size."""
+        return [m for m in self.methods if m not in FULL_METHODS]
+
+    def n_repeats(self, data: _Data, method: str) -> int:
+        r = self.d_repeats.get(data.name, self.repeats)
+        return min(r, self.m_repeats[method]) if method in self.m_repeats else r
+
+    def exact_ok(self, data: _Data) -> bool:
+        return data.n <= self.max_exact_n
+
+    def todo(self, experiment: str, token: str, method: str, s, r: int) -> bool:
+        return (experiment, token, method, s, r) not in self.done
+
+
+def _check_settings(datasets, sizes, repeats, *, methods, max_exact_n, seed, trace_datasets,
+                    trace_rank, synthetic, n_init, max_iter, dataset_repeats, method_repeats,
+                    data_home) -> _Plan:
+    """:func:`run_paper`'s arguments checked, and its datasets loaded, before anything runs."""
     if isinstance(datasets, str):
         datasets = [datasets]
     datasets = list(dict.fromkeys(datasets))
@@ -572,36 +638,37 @@ def run_paper(
         [trace_datasets] if isinstance(trace_datasets, str) else list(trace_datasets))
     for token in datasets + trace_datasets:
         _parse_token(token)
-    sizes = _check_sizes(sizes)
-    repeats = _check_positive(repeats, "repeats")
-    methods = _check_methods(methods)
-    max_exact_n = _check_positive(max_exact_n, "max_exact_n")
-    trace_rank = _check_positive(trace_rank, "trace_rank")
-    n_init = _check_positive(n_init, "n_init")
-    max_iter = _check_positive(max_iter, "max_iter")
-    d_repeats = _check_repeat_map(dataset_repeats, "dataset_repeats", known_datasets())
-    m_repeats = _check_repeat_map(method_repeats, "method_repeats", METHODS)
-    sized = [m for m in methods if m not in FULL_METHODS]
-
-    loaded: dict[str, _Data] = {}
+    plan = _Plan(
+        datasets=datasets,
+        trace_datasets=trace_datasets,
+        sizes=_check_sizes(sizes),
+        repeats=_check_positive(repeats, "repeats"),
+        methods=_check_methods(methods),
+        max_exact_n=_check_positive(max_exact_n, "max_exact_n"),
+        trace_rank=_check_positive(trace_rank, "trace_rank"),
+        n_init=_check_positive(n_init, "n_init"),
+        max_iter=_check_positive(max_iter, "max_iter"),
+        seed=seed,
+        synthetic=synthetic,
+        d_repeats=_check_repeat_map(dataset_repeats, "dataset_repeats", known_datasets()),
+        m_repeats=_check_repeat_map(method_repeats, "method_repeats", METHODS),
+        loaded={},
+    )
     for token in dict.fromkeys(datasets + trace_datasets):
-        loaded[token] = _load(token, data_home, seed)
+        plan.loaded[token] = _load(token, data_home, seed)
     for token in datasets:
-        data = loaded[token]
-        if sized and sizes[-1] > data.n:
+        data = plan.loaded[token]
+        if plan.sized and plan.sizes[-1] > data.n:
             raise ValueError(
-                f"subset size s={sizes[-1]} is larger than n={data.n}, the number of rows of "
-                f"dataset {token!r}; use sizes <= {data.n}."
+                f"subset size s={plan.sizes[-1]} is larger than n={data.n}, the number of rows "
+                f"of dataset {token!r}; use sizes <= {data.n}."
             )
+    return plan
 
-    def n_repeats(data: _Data, method: str) -> int:
-        r = d_repeats.get(data.name, repeats)
-        return min(r, m_repeats[method]) if method in m_repeats else r
 
-    def exact_ok(data: _Data) -> bool:
-        return data.n <= max_exact_n
-
-    out = Path(out_dir)
+def _earlier_run(out: Path, plan: _Plan, *, resume: bool, overwrite: bool):
+    """What ``out`` holds of an earlier run: the figures to remove, the rows and the
+    trace curves to keep."""
     if (out / "results.csv").exists() and not (resume or overwrite):
         raise FileExistsError(
             f"{out} holds the results of an earlier run ({out / 'results.csv'}); pass "
@@ -617,134 +684,131 @@ def run_paper(
     old_traces: dict[str, Trace] = {}
     if resume and (out / "results.csv").exists():
         previous = _read_results(out / "results.csv")
-        _check_resumable(previous, loaded, seed, out / "results.csv")
+        _check_resumable(previous, plan.loaded, plan.seed, out / "results.csv")
         if (out / "trace_error.csv").exists():
             old_traces = _read_traces(out / "trace_error.csv")
-    done = {(r["experiment"], r["dataset"], r["method"], r["size"], r["repeat"]) for r in previous}
+    return stale, previous, old_traces
 
-    def todo(experiment: str, token: str, method: str, s, r: int) -> bool:
-        return (experiment, token, method, s, r) not in done
 
-    # The runs still to do, as (method, size or None, repeat), in run order.
-    grid: dict[str, list[tuple[str, int | None, int]]] = {}
-    for token in datasets:
-        data = loaded[token]
+def _plan_runs(plan: _Plan, previous: list[dict], old_traces: dict[str, Trace]) -> int:
+    """Fill in the runs still to do, the ranks to factorize and the trace curves kept;
+    returns the steps of the progress bar."""
+    plan.done = {(r["experiment"], r["dataset"], r["method"], r["size"], r["repeat"])
+                 for r in previous}
+    for token in plan.datasets:
+        data = plan.loaded[token]
         cells = []
-        for r in range(max(n_repeats(data, m) for m in methods)):
-            for m in methods:
-                if m in FULL_METHODS and r < n_repeats(data, m) and exact_ok(data):
+        for r in range(max(plan.n_repeats(data, m) for m in plan.methods)):
+            for m in plan.methods:
+                if m in FULL_METHODS and r < plan.n_repeats(data, m) and plan.exact_ok(data):
                     cells.append((m, None, r))
-            cells += [(m, s, r) for s in sizes for m in sized if r < n_repeats(data, m)]
-        grid[token] = [c for c in cells if todo("grid", token, *c)]
-
+            cells += [(m, s, r) for s in plan.sizes for m in plan.sized
+                      if r < plan.n_repeats(data, m)]
+        plan.grid[token] = [c for c in cells if plan.todo("grid", token, *c)]
     # Ranks to factorize per dataset: the largest size still to run and the trace curve.
-    need: dict[str, int] = {}
-    for token in datasets:
-        icf_sizes = [s for m, s, _ in grid[token] if m == "icf"]
+    for token in plan.datasets:
+        icf_sizes = [s for m, s, _ in plan.grid[token] if m == "icf"]
         if icf_sizes:
-            need[token] = min(max(icf_sizes), loaded[token].n)
-    traces: dict[str, Trace] = {}
-    for token in trace_datasets:
-        rank = min(trace_rank, loaded[token].n)
+            plan.need[token] = min(max(icf_sizes), plan.loaded[token].n)
+    for token in plan.trace_datasets:
+        rank = min(plan.trace_rank, plan.loaded[token].n)
         old = old_traces.get(token)
         if old is not None and old.rank >= rank:
-            traces[token] = Trace(old.initial_trace, old.trace_errors[:rank].copy())
+            plan.traces[token] = Trace(old.initial_trace, old.trace_errors[:rank].copy())
         else:
-            need[token] = max(need.get(token, 0), rank)
+            plan.need[token] = max(plan.need.get(token, 0), rank)
+    total = len(plan.need) + sum(len(cells) for cells in plan.grid.values())
+    return total + (len(SYNTHETIC) * (1 + plan.repeats) if plan.synthetic else 0)
 
-    total = len(need) + sum(len(cells) for cells in grid.values())
-    if synthetic:
-        total += len(SYNTHETIC) * (1 + repeats)
 
-    bar = _Progress(total, progress)
-    recorder = _Recorder(out / "results.csv", previous)
-    factors: dict[str, _Factor] = {}
-    refreshed = 0  # kept ICF rows whose factorization time this run measured again
-    synthetic_fits: dict[str, tuple[_Data, _Factor, np.ndarray]] = {}
-    try:
-        if synthetic:
-            for name in SYNTHETIC:
-                data = _load(name, None, seed)
-                bar.where(f"{data.label}: ICF")
-                factor = _factorize(data, SYNTHETIC_RANK, _icf_reporter(bar, data.label))
-                refreshed += _refresh_factor_times(previous, "synthetic", data.token, factor)
-                bar.step()
-                for r in range(repeats):
-                    rseed = _repeat_seed(seed, r)
-                    bar.where(f"{data.label} ICF s={SYNTHETIC_RANK} repeat {r + 1}/{repeats}")
-                    if todo("synthetic", data.token, "icf", SYNTHETIC_RANK, r):
-                        labels = _record_icf(recorder, "synthetic", data, factor,
-                                             SYNTHETIC_RANK, r, rseed, n_init, max_iter)
-                    elif r == 0:  # done before; its labels are drawn again
-                        labels = _icf_fit(data, factor, SYNTHETIC_RANK, rseed, n_init,
-                                          max_iter)[0]
-                    if r == 0:
-                        synthetic_fits[name] = (data, factor, labels)
-                    bar.step()
-        for token in dict.fromkeys(datasets + trace_datasets):
-            if token in need:
-                data = loaded[token]
-                bar.where(f"{data.label}: ICF to rank {need[token]}")
-                timed = [s for m, s, _ in grid.get(token, ()) if m == "icf"] + [
-                    r["size"] for r in previous
-                    if (r["experiment"], r["dataset"], r["method"]) == ("grid", token, "icf")
-                ]
-                factors[token] = _factorize(data, need[token], _icf_reporter(bar, data.label),
-                                            timed)
-                refreshed += _refresh_factor_times(previous, "grid", token, factors[token])
-                if token in trace_datasets and token not in traces:
-                    res = factors[token].result
-                    rank = min(trace_rank, data.n)
-                    traces[token] = Trace(res.initial_trace, res.trace_errors[:rank].copy())
-                bar.step()
-            if token not in datasets:
-                continue
-            data = loaded[token]
-            factor = factors.get(token)
-            for m, s, r in grid[token]:
-                rseed = _repeat_seed(seed, r)
-                if s is None:
-                    bar.where(f"{data.label} {METHOD_LABELS[m]} repeat {r + 1}")
-                    _record_baseline(recorder, data, m, None, r, rseed, n_init, max_iter)
-                elif m == "icf":
-                    bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
-                    _record_icf(recorder, "grid", data, factor, s, r, rseed, n_init, max_iter)
-                else:
-                    bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
-                    _record_baseline(recorder, data, m, s, r, rseed, n_init, max_iter)
-                bar.step()
-            factors.pop(token, None)  # frees P; the trace curve was kept apart
-    finally:
-        if refreshed:
-            recorder.rewrite()
-        recorder.close()
-        bar.close()
+def _run_synthetic(plan: _Plan, previous: list[dict], recorder: _Recorder, bar: _Progress):
+    """ICF on the 2-D sets over the repeats; returns the first repeat's fits, to draw."""
+    fits: dict[str, tuple[_Data, _Factor, np.ndarray]] = {}
+    for name in SYNTHETIC:
+        data = _load(name, None, plan.seed)
+        bar.where(f"{data.label}: ICF")
+        factor = _factorize(data, SYNTHETIC_RANK, _icf_reporter(bar, data.label))
+        plan.refreshed += _refresh_factor_times(previous, "synthetic", data.token, factor)
+        bar.step()
+        for r in range(plan.repeats):
+            rseed = _repeat_seed(plan.seed, r)
+            bar.where(f"{data.label} ICF s={SYNTHETIC_RANK} repeat {r + 1}/{plan.repeats}")
+            if plan.todo("synthetic", data.token, "icf", SYNTHETIC_RANK, r):
+                labels = _record_icf(recorder, "synthetic", data, factor, SYNTHETIC_RANK, r,
+                                     rseed, plan.n_init, plan.max_iter)
+            elif r == 0:  # done before; its labels are drawn again
+                labels = _icf_fit(data, factor, SYNTHETIC_RANK, rseed, plan.n_init,
+                                  plan.max_iter)[0]
+            if r == 0:
+                fits[name] = (data, factor, labels)
+            bar.step()
+    return fits
 
-    rows = recorder.rows
-    write_trace_csv(out / "trace_error.csv", traces, loaded)
-    settings = {
-        "datasets": [loaded[t] for t in datasets],
-        "sizes": sizes,
-        "repeats": repeats,
-        "dataset_repeats": d_repeats,
-        "method_repeats": m_repeats,
-        "methods": methods,
-        "max_exact_n": max_exact_n,
-        "seed": seed,
-        "n_init": n_init,
-        "max_iter": max_iter,
-        "trace": {t: loaded[t] for t in traces},
-        "trace_rank": trace_rank,
-        "synthetic": synthetic,
-        "elapsed": time.perf_counter() - started,
-        "resumed": len(previous),
-        "refreshed": refreshed,
+
+def _run_grid(plan: _Plan, previous: list[dict], recorder: _Recorder, bar: _Progress) -> None:
+    """Every run of the grid still to do, dataset by dataset, and the trace curves."""
+    for token in dict.fromkeys(plan.datasets + plan.trace_datasets):
+        data = plan.loaded[token]
+        factor = None
+        if token in plan.need:
+            bar.where(f"{data.label}: ICF to rank {plan.need[token]}")
+            timed = [s for m, s, _ in plan.grid.get(token, ()) if m == "icf"] + [
+                r["size"] for r in previous
+                if (r["experiment"], r["dataset"], r["method"]) == ("grid", token, "icf")
+            ]
+            factor = _factorize(data, plan.need[token], _icf_reporter(bar, data.label), timed)
+            plan.refreshed += _refresh_factor_times(previous, "grid", token, factor)
+            if token in plan.trace_datasets and token not in plan.traces:
+                res = factor.result
+                rank = min(plan.trace_rank, data.n)
+                plan.traces[token] = Trace(res.initial_trace, res.trace_errors[:rank].copy())
+            bar.step()
+        if token not in plan.datasets:
+            continue
+        for m, s, r in plan.grid[token]:
+            rseed = _repeat_seed(plan.seed, r)
+            where = f"{data.label} {METHOD_LABELS[m]}" + ("" if s is None else f" s={s}")
+            bar.where(f"{where} repeat {r + 1}")
+            if m == "icf" and s is not None:
+                _record_icf(recorder, "grid", data, factor, s, r, rseed, plan.n_init,
+                            plan.max_iter)
+            else:
+                _record_baseline(recorder, data, m, s, r, rseed, plan.n_init, plan.max_iter)
+            bar.step()
+        # The factor (and its P) goes with this iteration; the trace curve was kept apart.
+
+
+def _report_settings(plan: _Plan, elapsed: float, resumed: int) -> dict:
+    """The run's settings as results.md states them."""
+    return {
+        "datasets": [plan.loaded[t] for t in plan.datasets],
+        "sizes": plan.sizes,
+        "repeats": plan.repeats,
+        "dataset_repeats": plan.d_repeats,
+        "method_repeats": plan.m_repeats,
+        "methods": plan.methods,
+        "max_exact_n": plan.max_exact_n,
+        "seed": plan.seed,
+        "n_init": plan.n_init,
+        "max_iter": plan.max_iter,
+        "trace": {t: plan.loaded[t] for t in plan.traces},
+        "trace_rank": plan.trace_rank,
+        "synthetic": plan.synthetic,
+        "elapsed": elapsed,
+        "resumed": resumed,
+        "refreshed": plan.refreshed,
     }
-    write_markdown(out / "results.md", rows, traces, settings)
+
+
+def _write_outputs(out: Path, plan: _Plan, rows: list[dict], synthetic_fits: dict, *,
+                   stale: list[Path], elapsed: float, resumed: int) -> None:
+    """trace_error.csv, results.md and the figures, in place of an earlier run's."""
+    write_trace_csv(out / "trace_error.csv", plan.traces, plan.loaded)
+    write_markdown(out / "results.md", rows, plan.traces,
+                   _report_settings(plan, elapsed, resumed))
     for path in stale:  # the earlier run's figures: this run draws its own
         path.unlink(missing_ok=True)
-    figures(out, rows, traces, loaded, datasets, synthetic_fits)
-    return rows
+    figures(out, rows, plan.traces, plan.loaded, plan.datasets, synthetic_fits)
 
 
 def _refresh_factor_times(rows: list[dict], experiment: str, token: str, factor: _Factor) -> int:
