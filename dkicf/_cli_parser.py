@@ -170,41 +170,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The ``dkicf`` parser.
-
-    ``bench``'s own options (from :mod:`dkicf._bench_grid`) are added only
-    when ``argv`` (the arguments about to be parsed; None: all of them) names
-    ``bench``: no other command needs them.
-    """
-    parser = _Parser(
-        prog="dkicf",
-        description="Kernel k-means on an incomplete Cholesky factorization, on dask.",
-        epilog="Exit status: 0 success, 1 failure while running (missing input, scheduler "
-               "not answering, worker failure), 2 error in the command line, 130 "
-               "interrupted, 143 terminated.",
-        formatter_class=_Formatter,
-    )
-    parser.add_argument("--version", action="version", version=f"dkicf {__version__}")
-    # These flags are accepted after the command name too.
-    common = _Parser(add_help=False)
-    for where, default in ((parser, False), (common, argparse.SUPPRESS)):
-        where.add_argument("--quiet", action="store_true", default=default,
-                           help="no progress bars")
-        where.add_argument("-v", "--verbose", action="store_true", default=default,
-                           help="show dkicf's INFO logs (what it decides and why)")
-        where.add_argument("--debug", action="store_true", default=default,
-                           help="show tracebacks, and the debug logs of dkicf and dask")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    _add_parser = sub.add_parser
-
-    def add_parser(name, **kwargs):
-        kwargs.setdefault("formatter_class", _Formatter)
-        return _add_parser(name, parents=[common], **kwargs)
-
-    sub.add_parser = add_parser
-
+def _add_convert(sub) -> None:
+    """The ``dkicf convert`` command's parser."""
     p = sub.add_parser("convert", help="convert .npy/.npz/.csv/svmlight/Parquet to Zarr")
     p.add_argument("src", help="the file to convert (.npy, .npz, .csv, .svm/.libsvm "
                                "svmlight, .parquet or a directory of Parquet files; .txt: "
@@ -230,6 +197,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         "complete); anything else there, a model for instance, is refused")
     _add_storage(p)
 
+
+def _add_generate(sub) -> None:
+    """The ``dkicf generate`` command's parser."""
     p = sub.add_parser("generate", help="write a synthetic dataset to Zarr, chunk by chunk")
     p.add_argument("kind", choices=["ring", "parabolic", "zigzag", "blobs", "spheres"],
                    help="the paper's 2-D sets (ring, parabolic, zigzag) or Gaussian blobs / "
@@ -248,6 +218,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="replace an existing Zarr store at DST (only when the new one is complete)")
     _add_storage(p)
 
+
+def _add_fit(sub) -> None:
+    """The ``dkicf fit`` command's parser."""
     p = sub.add_parser("fit", help="cluster a Zarr dataset and write the model and labels")
     p.add_argument("store", help="Zarr dataset (group with X, or an array)")
     p.add_argument("--clusters", type=_positive_int, required=True, help="number of clusters k")
@@ -302,6 +275,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_storage(p)
     _add_json(p)
 
+
+def _add_predict(sub) -> None:
+    """The ``dkicf predict`` command's parser."""
     p = sub.add_parser("predict", help="assign the points of a Zarr dataset with a saved model")
     p.add_argument("model", help="a model written by dkicf fit (its --out)")
     p.add_argument("store", help="Zarr dataset to assign (group with X, or an array)")
@@ -310,6 +286,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_storage(p)
     _add_json(p)
 
+
+def _add_info(sub) -> None:
+    """The ``dkicf info`` command's parser."""
     p = sub.add_parser("info", help="describe a dataset, a model or a fit's checkpoint")
     _add_json(p)
     p.add_argument("path", help="a Zarr dataset, a model (dkicf fit --out) or a --checkpoint "
@@ -319,12 +298,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         f"{get('fit.rank')}, dask config dkicf.fit.rank)")
     _add_storage(p)
 
+
+def _add_plot(sub) -> None:
+    """The ``dkicf plot`` command's parser."""
     p = sub.add_parser("plot", help="write PNG plots of a model")
     p.add_argument("model")
     p.add_argument("--data", help="the dataset, for the scatter plot of 2-D data")
     p.add_argument("--out-dir", default=".", help="folder for the PNGs (default: .)")
     _add_storage(p)
 
+
+def _add_demo(sub) -> None:
+    """The ``dkicf demo`` command's parser."""
     p = sub.add_parser("demo", help="generate the Ring at 1e6 points, cluster it, report")
     p.add_argument("--n", type=_positive_int, default=1_000_000,
                    help="points of the Ring (default: 1000000)")
@@ -337,6 +322,45 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="generate the data again even if WORKDIR holds it")
     _add_cluster(p)
 
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``dkicf`` parser.
+
+    ``bench``'s own options (from :mod:`dkicf._bench_grid`) are added only
+    when ``argv`` (the arguments about to be parsed; None: all of them) names
+    ``bench``: no other command needs them.
+    """
+    parser = _Parser(
+        prog="dkicf",
+        description="Kernel k-means on an incomplete Cholesky factorization, on dask.",
+        epilog="Exit status: 0 success, 1 failure while running (missing input, scheduler "
+               "not answering, worker failure), 2 error in the command line, 130 "
+               "interrupted, 143 terminated.",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"dkicf {__version__}")
+    # These flags are accepted after the command name too.
+    common = _Parser(add_help=False)
+    for where, default in ((parser, False), (common, argparse.SUPPRESS)):
+        where.add_argument("--quiet", action="store_true", default=default,
+                           help="no progress bars")
+        where.add_argument("-v", "--verbose", action="store_true", default=default,
+                           help="show dkicf's INFO logs (what it decides and why)")
+        where.add_argument("--debug", action="store_true", default=default,
+                           help="show tracebacks, and the debug logs of dkicf and dask")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_parser = sub.add_parser
+
+    def add_parser(name, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        return _add_parser(name, parents=[common], **kwargs)
+
+    sub.add_parser = add_parser
+
+    for add in (_add_convert, _add_generate, _add_fit, _add_predict, _add_info, _add_plot,
+                _add_demo):
+        add(sub)
     if argv is None or "bench" in argv:
         _add_bench_parser(sub)
     else:
