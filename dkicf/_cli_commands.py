@@ -273,7 +273,7 @@ def _cluster(args, *, in_process: bool = False):
 # ---------------------------------------------------------------------------- commands
 
 
-def _check_outputs(out: str, inputs: dict, *, overwrite: bool | None, writes: str,
+def _check_outputs(out: str, inputs: dict, *, overwrite: bool, writes: str,
                    storage_options: dict | None = None) -> None:
     """Refuse an output that is one of the inputs, exists without --overwrite, or is
     something else than what the command writes.
@@ -282,14 +282,11 @@ def _check_outputs(out: str, inputs: dict, *, overwrite: bool | None, writes: st
     them.  ``writes`` is the kind of output (``"dataset"``, ``"model"``,
     ``"labels"``, as :func:`dkicf.io.inspect` names them): --overwrite
     replaces only that, never a model by a dataset for instance.
-    ``overwrite=None`` checks the inputs only.
     """
     try:
         io.check_not_input(out, inputs)
     except io.DkicfIOError as exc:
         raise UsageError(str(exc)) from None
-    if overwrite is None:
-        return
     io.check_writable(out, overwrite=overwrite, storage_options=storage_options)
     if not overwrite:
         return

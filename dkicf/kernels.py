@@ -49,8 +49,6 @@ __all__ = [
     "register_kernel",
 ]
 
-_EPS = np.finfo(np.float64).eps
-
 
 @dataclass(frozen=True)
 class HyperParameter:
