@@ -658,9 +658,11 @@ def make_kernel(
     Parameters
     ----------
     kernel : str, callable or Kernel
-        One of ``"gaussian"`` (alias ``"rbf"``), ``"laplacian"``,
-        ``"polynomial"`` (alias ``"poly"``), ``"linear"``; a callable
-        ``f(A, B)`` returning the kernel block; or a :class:`Kernel`.
+        A name or alias in :data:`KERNELS` (case-insensitive): ``"gaussian"``
+        (alias ``"rbf"``), ``"laplacian"``, ``"polynomial"`` (alias
+        ``"poly"``), ``"linear"``, or one that :func:`register_kernel` added;
+        a callable ``f(A, B)`` returning the kernel block; or a
+        :class:`Kernel`.
     gamma : float, "median" or None
         Width of the Gaussian/Laplacian kernels (default ``"median"``) and
         scale of the polynomial kernel (default ``1 / n_features``).
