@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from _rss import rss_sampler_peak, start_rss_sampler
+
 
 def _rchar() -> int:
     import psutil
@@ -76,8 +78,6 @@ def main(argv=None) -> None:
         print(f"plain pass X.sum(): {t_pass:.2f} s, {read_pass / 1e9:.2f} GB read")
 
         out = work / "model.zarr"
-        from dkicf._cluster import rss_sampler_peak, start_rss_sampler
-
         client.run(start_rss_sampler)
         r0 = sum(client.run(_rchar).values())
         icf_read = []

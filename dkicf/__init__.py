@@ -4,7 +4,6 @@ import importlib
 import sys
 import types
 
-from ._cluster import local_cluster
 from ._version import __version__
 from .errors import (
     CheckpointMismatchError,
@@ -24,6 +23,7 @@ _LAZY = {
     "KMeansProgress": ".kmeans",
     "KMeansResult": ".kmeans",
     "assign": ".kmeans",
+    "local_cluster": ".deploy",
     "make_kernel": ".kernels",
     "median_gamma": ".kernels",
 }

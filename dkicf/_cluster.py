@@ -1,8 +1,11 @@
-"""Finding or starting the dask cluster a computation runs on."""
+"""Finding the dask cluster a computation runs on, and counting its workers.
+
+Starting one is :mod:`dkicf.deploy`'s job (:func:`dkicf.deploy.local_cluster`).
+"""
 
 from __future__ import annotations
 
-__all__ = ["all_workers", "get_client", "local_cluster"]
+__all__ = ["all_workers", "get_client"]
 
 
 def all_workers(client) -> dict:
@@ -69,67 +72,3 @@ def get_client(client=None, *, timeout: float = 10.0):
             "or `distributed.Client(address)` to connect to a running scheduler."
         ) from None
 
-
-def local_cluster(
-    n_workers: int = 2,
-    threads_per_worker: int = 1,
-    memory_limit: str | int | None = "auto",
-    *,
-    dashboard: bool = False,
-):
-    """Start a LocalCluster bound to 127.0.0.1 and return a client connected to it.
-
-    The workers are separate processes.  Without ``dashboard=True`` the
-    scheduler's HTTP port serves only ``/health``; with it, the dashboard is
-    on 127.0.0.1 only.  Close both when done:
-    ``cluster = client.cluster; client.close(); cluster.close()``.
-
-    Examples
-    --------
-    >>> import dkicf
-    >>> client = dkicf.local_cluster(n_workers=1)  # doctest: +SKIP
-    """
-    from .deploy import start_cluster
-
-    client, _ = start_cluster(
-        "local", workers=n_workers, threads=threads_per_worker, memory_limit=memory_limit,
-        dashboard=dashboard,
-    )
-    return client
-
-
-_RSS_PEAK = {"value": 0, "thread": None}
-
-
-def start_rss_sampler(interval: float = 0.02) -> bool:
-    """Sample this process's resident memory in a thread; run on workers with ``client.run``.
-
-    Unlike ``ru_maxrss`` this ignores the start-up of the process: it measures
-    the peak from now on.  Read it with :func:`rss_sampler_peak`.
-    """
-    import threading
-    import time
-
-    import psutil
-
-    if _RSS_PEAK["thread"] is not None:
-        _RSS_PEAK["value"] = 0
-        return True
-    proc = psutil.Process()
-
-    def sample():
-        while True:
-            _RSS_PEAK["value"] = max(_RSS_PEAK["value"], proc.memory_info().rss)
-            time.sleep(interval)
-
-    thread = threading.Thread(target=sample, name="dkicf-rss", daemon=True)
-    _RSS_PEAK["thread"] = thread
-    thread.start()
-    return True
-
-
-def rss_sampler_peak() -> int:
-    """Largest resident memory (bytes) seen since :func:`start_rss_sampler`."""
-    import psutil
-
-    return max(_RSS_PEAK["value"], psutil.Process().memory_info().rss)

@@ -14,18 +14,28 @@ from typing import Any
 
 _DEFAULTS = Path(__file__).with_name("dkicf.yaml")
 _PREFIX = "DKICF_"
-_loaded = False
+_shipped: dict | None = None  # dkicf.yaml, once read
 
 
 def _load() -> None:
-    """Add the shipped defaults and the ``DKICF_`` variables to dask's configuration, once."""
-    global _loaded
-    if _loaded:
-        return
-    import dask.config
-    import yaml
+    """Add the shipped defaults and the ``DKICF_`` variables to dask's configuration.
 
-    dask.config.update_defaults(yaml.safe_load(_DEFAULTS.read_text()))
+    Once, and again whenever dkicf's section is gone: a ``dask.config.set``
+    of a dkicf setting entered before the first load removes the whole
+    section on exit, the defaults with it.
+    """
+    global _shipped
+    import dask.config
+
+    if _shipped is not None and "dkicf" in dask.config.config:
+        return
+    if _shipped is None:
+        import yaml
+
+        _shipped = yaml.safe_load(_DEFAULTS.read_text())
+        dask.config.update_defaults(_shipped)
+    else:
+        dask.config.update(dask.config.config, _shipped, priority="old")
     short = {f"DASK_DKICF__{key[len(_PREFIX):]}": value for key, value in os.environ.items()
              if key.startswith(_PREFIX)}
     if short:
@@ -35,7 +45,6 @@ def _load() -> None:
             {k: v for k, v in os.environ.items() if k.startswith("DASK_DKICF__")})
         dask.config.update(dask.config.config, found, priority="new")
         dask.config.update(dask.config.config, full, priority="new")
-    _loaded = True
 
 
 def get(key: str, default: Any = None) -> Any:

@@ -4,8 +4,14 @@
 paper's baselines (:mod:`dkicf.baselines`) over datasets x subset sizes x
 repeats, and writes to ``out_dir``:
 
-* ``results.csv``: one row per fit (accuracy, NMI, wall time), written as the
-  run goes, so a long run can be followed and a partial one is not lost;
+* ``results.csv``: one row per fit, written as the run goes, so a long run
+  can be followed and a partial one is not lost.  Its columns: ``experiment``
+  (``"grid"`` or ``"synthetic"``), ``dataset``, ``n``, ``n_features``,
+  ``n_clusters``, ``gamma``, ``method``, ``size`` (None for the full-kernel
+  methods), ``rank`` (ICF's rank reached), ``repeat``, ``seed``, ``acc``,
+  ``nmi``, ``time_s`` (wall seconds of the fit; for ICF factorization up to
+  ``s`` plus k-means), ``factor_time_s`` and ``kmeans_time_s`` (ICF's two
+  parts), ``n_iter`` and ``note`` (warnings raised by the fit);
 * ``results.md``: the run's settings, then per dataset a table of mean ± std
   of accuracy and NMI and the median time per method and subset size, the ICF
   trace errors and the synthetic results;
@@ -30,8 +36,20 @@ runs, with the same derived seed, so a repeat's labels are those of that
 estimator's ``fit``.  Every baseline is timed as one call to its ``fit``
 (kernel matrix, factorization or features included).
 
-The CLI entry is ``dkicf bench paper``; :func:`add_parser` and :func:`run_cli`
-plug it into :mod:`dkicf.cli`.
+Resuming a run
+--------------
+With ``resume=True`` a run is identified by experiment, dataset, method,
+size and repeat; the rows already in ``results.csv`` are kept and only the
+missing runs are done.  The trace-error curves of an existing
+``trace_error.csv`` are reused when they reach the rank asked for.  The old
+rows must come from the same ``seed`` and data (checked: ``n``, ``gamma`` and
+every repeat's seed); ``n_init`` and ``max_iter`` are not stored, so keep
+them too.
+
+The CLI entry is ``dkicf bench paper``; :func:`add_parser` (from
+:mod:`dkicf._bench_grid`, which the command line's parser imports without
+this module's baselines) and :func:`run_cli` plug it into :mod:`dkicf.cli`.
+The tables and figures are drawn by :mod:`dkicf._bench_report`.
 """
 
 from __future__ import annotations
@@ -40,7 +58,6 @@ import argparse
 import csv
 import math
 import os
-import platform
 import sys
 import time
 import warnings
@@ -50,6 +67,22 @@ from pathlib import Path
 
 import numpy as np
 
+from ._bench_grid import (
+    DEFAULT_DATASETS,
+    DEFAULT_SIZES,
+    DEFAULT_TRACE_DATASETS,
+    DISPLAY,
+    FULL_METHODS,
+    METHOD_LABELS,
+    METHODS,
+    PAPER_MAX_ITER,
+    PAPER_TOL,
+    SYNTHETIC,
+    SYNTHETIC_RANK,
+    add_parser,
+    known_datasets,
+)
+from ._bench_report import Trace, figures, write_markdown, write_trace_csv
 from .baselines import (
     ApproxKernelKMeans,
     ExactKernelKMeans,
@@ -57,12 +90,11 @@ from .baselines import (
     NystromKernelKMeans,
     RFFKernelKMeans,
 )
-from .datasets import DATASETS, PAPER_GAMMA, PAPER_SUBSET_SIZE, load_dataset
+from .datasets import PAPER_GAMMA, load_dataset
 from .estimator import KernelKMeans
 from .icf import ICFResult, incomplete_cholesky
 from .kmeans import kmeans
 from .metrics import clustering_accuracy, nmi
-from .synthetic import make_parabolic, make_ring, make_zigzag
 
 __all__ = [
     "METHODS",
@@ -75,72 +107,17 @@ __all__ = [
     "run_cli",
 ]
 
-#: Method keys in the order of the tables; ``"kernel"`` and ``"kernel+chol"``
-#: use the full kernel matrix and have no subset size.
-METHODS: tuple[str, ...] = ("icf", "kernel", "kernel+chol", "approx", "rff", "nystrom")
-
-METHOD_LABELS: dict[str, str] = {
-    "icf": "ICF",
-    "kernel": "Kernel",
-    "kernel+chol": "Kernel+Chol",
-    "approx": "Approx",
-    "rff": "RFF",
-    "nystrom": "Nyström",
-}
-
-_FULL_METHODS = ("kernel", "kernel+chol")
+# Other names the methods are known by.
 _ALIASES = {"nyström": "nystrom", "exact": "kernel", "chol": "kernel+chol"}
-_STYLE = {
-    "icf": ("tab:red", "o"),
-    "kernel": ("black", None),
-    "kernel+chol": ("tab:gray", None),
-    "approx": ("tab:green", "s"),
-    "rff": ("tab:purple", "^"),
-    "nystrom": ("tab:blue", "D"),
-}
-
-#: The paper's 2-D sets: generator and Gaussian width (2 clusters x 500 points, s = 50).
-SYNTHETIC: dict[str, tuple[Callable, float]] = {
-    "ring": (make_ring, 2.0**4),
-    "parabolic": (make_parabolic, 2.0**1),
-    "zigzag": (make_zigzag, 2.0**3),
-}
-_SYNTHETIC_N = 1000
-_SYNTHETIC_RANK = 50
-
-#: The real datasets the paper clusters, and its grid of subset sizes.
-DEFAULT_DATASETS: tuple[str, ...] = ("pendigits", "satimage", "shuttle", "mnist")
-DEFAULT_SIZES: tuple[int, ...] = (25, 50, 100, 200, 500, 1000)
-DEFAULT_TRACE_DATASETS: tuple[str, ...] = ("usps", "mnist")
-
-PAPER_TOL = 1e-3  # the paper's epsilon for the ICF trace error
-PAPER_MAX_ITER = 1000  # the paper's cap on k-means and kernel k-means iterations
-
-_DISPLAY = {
-    "pendigits": "PenDigits",
-    "satimage": "Satimage",
-    "shuttle": "Shuttle",
-    "mnist": "MNIST",
-    "usps": "USPS",
-    "ring": "Ring",
-    "parabolic": "Parabolic",
-    "zigzag": "Zigzag",
-}
-
+_SYNTHETIC_N = 1000  # points of a 2-D set given without ":n"
 _CSV_FIELDS = (
     "experiment", "dataset", "n", "n_features", "n_clusters", "gamma", "method", "size",
     "rank", "repeat", "seed", "acc", "nmi", "time_s", "factor_time_s", "kmeans_time_s",
     "n_iter", "note",
 )
-_TRACE_MARKS = (10, 25, 50, 100, 200, 300, 500, 700, 1000, 2000)
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def known_datasets() -> tuple[str, ...]:
-    """Names :func:`run_paper` accepts: the paper's real datasets and its 2-D sets."""
-    return DATASETS + tuple(SYNTHETIC)
 
 
 @dataclass
@@ -162,7 +139,7 @@ class _Data:
 
     @property
     def label(self) -> str:
-        return self.token.replace(self.name, _DISPLAY.get(self.name, self.name), 1)
+        return self.token.replace(self.name, DISPLAY.get(self.name, self.name), 1)
 
 
 def _parse_token(token) -> tuple[str, int | None]:
@@ -255,11 +232,6 @@ def _repeat_seed(seed: int, repeat: int) -> int:
     return int(np.random.SeedSequence([seed, repeat]).generate_state(1)[0] >> 1)
 
 
-def _format_gamma(gamma: float) -> str:
-    e = math.log2(gamma)
-    return f"2^{int(e)}" if e == int(e) else f"{gamma:g}"
-
-
 # --------------------------------------------------------------------------- runs
 
 
@@ -281,18 +253,6 @@ class _Factor:
         if s in self.times:
             return self.times[s]
         return float(self.elapsed[r - 1])
-
-
-@dataclass
-class _Trace:
-    """The trace-error curve of one factorization (without its P)."""
-
-    initial_trace: float
-    trace_errors: np.ndarray
-
-    @property
-    def rank(self) -> int:
-        return int(self.trace_errors.size)
 
 
 def _factorize(
@@ -434,7 +394,7 @@ def _read_results(path: Path) -> list[dict]:
     return rows
 
 
-def _read_traces(path: Path) -> dict[str, _Trace]:
+def _read_traces(path: Path) -> dict[str, Trace]:
     """The curves of a trace_error.csv written by :func:`run_paper` (for ``resume``)."""
     curves: dict[str, dict[int, float]] = {}
     try:
@@ -447,7 +407,7 @@ def _read_traces(path: Path) -> dict[str, _Trace]:
     for token, points in curves.items():
         rank = max(points)
         if 0 in points and all(r in points for r in range(1, rank + 1)):
-            out[token] = _Trace(points[0], np.array([points[r] for r in range(1, rank + 1)]))
+            out[token] = Trace(points[0], np.array([points[r] for r in range(1, rank + 1)]))
     return out
 
 
@@ -505,24 +465,14 @@ _FIGURES = ("trace_error.png", "synthetic.png", "accuracy.png", "time.png", "tim
 
 
 def run_paper(
-    datasets: Sequence[str] = DEFAULT_DATASETS,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    repeats: int = 10,
-    out_dir: str | os.PathLike = "docs/results",
-    *,
-    data_home: str | os.PathLike | None = None,
-    methods: Sequence[str] | None = None,
-    progress: bool = True,
-    max_exact_n: int = 12000,
-    seed: int = 0,
-    trace_datasets: Sequence[str] | None = DEFAULT_TRACE_DATASETS,
-    trace_rank: int = 1000,
-    synthetic: bool = True,
-    n_init: int = 1,
-    max_iter: int = PAPER_MAX_ITER,
+    datasets: Sequence[str] = DEFAULT_DATASETS, sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 10, out_dir: str | os.PathLike = "docs/results", *,
+    data_home: str | os.PathLike | None = None, methods: Sequence[str] | None = None,
+    progress: bool = True, max_exact_n: int = 12000, seed: int = 0,
+    trace_datasets: Sequence[str] | None = DEFAULT_TRACE_DATASETS, trace_rank: int = 1000,
+    synthetic: bool = True, n_init: int = 1, max_iter: int = PAPER_MAX_ITER,
     dataset_repeats: Mapping[str, int] | None = None,
-    method_repeats: Mapping[str, int] | None = None,
-    resume: bool = False,
+    method_repeats: Mapping[str, int] | None = None, resume: bool = False,
     overwrite: bool = False,
 ) -> list[dict]:
     """Run every method over the paper's grid and write the tables and figures.
@@ -579,13 +529,8 @@ def run_paper(
         A cap on the repeats of some methods (e.g. ``{"kernel+chol": 3}``).
     resume : bool, default=False
         Keep the rows of an existing ``out_dir/results.csv`` and run only the
-        missing ones (a run is identified by experiment, dataset, method, size
-        and repeat), so an interrupted run continues, and a run can be
-        extended with more sizes or repeats.  The trace-error curves of an
-        existing ``trace_error.csv`` are reused when they reach the rank asked
-        for.  The old rows must come from the same ``seed`` and data (checked:
-        ``n``, ``gamma`` and every repeat's seed); ``n_init`` and ``max_iter``
-        are not stored, so keep them too.
+        missing ones: an interrupted run continues, a run takes more sizes or
+        repeats (see "Resuming a run" in the module's documentation).
     overwrite : bool, default=False
         Replace the results of an earlier run in ``out_dir`` (its figures
         that this run does not draw are removed at the end).
@@ -593,13 +538,8 @@ def run_paper(
     Returns
     -------
     list of dict
-        The rows of ``results.csv``: ``experiment`` (``"grid"`` or
-        ``"synthetic"``), ``dataset``, ``n``, ``n_features``, ``n_clusters``,
-        ``gamma``, ``method``, ``size`` (None for the full-kernel methods),
-        ``rank`` (ICF's rank reached), ``repeat``, ``seed``, ``acc``, ``nmi``,
-        ``time_s`` (wall seconds of the fit; for ICF factorization up to ``s``
-        plus k-means), ``factor_time_s`` and ``kmeans_time_s`` (ICF's two
-        parts), ``n_iter`` and ``note`` (warnings raised by the fit).
+        The rows of ``results.csv`` (its columns are in the module's
+        documentation).
 
     Raises
     ------
@@ -621,6 +561,76 @@ def run_paper(
     ['icf', 'nystrom']
     """
     started = time.perf_counter()
+    plan = _check_settings(
+        datasets, sizes, repeats, methods=methods, max_exact_n=max_exact_n, seed=seed,
+        trace_datasets=trace_datasets, trace_rank=trace_rank, synthetic=synthetic,
+        n_init=n_init, max_iter=max_iter, dataset_repeats=dataset_repeats,
+        method_repeats=method_repeats, data_home=data_home,
+    )
+    out = Path(out_dir)
+    stale, previous, old_traces = _earlier_run(out, plan, resume=resume, overwrite=overwrite)
+    bar = _Progress(_plan_runs(plan, previous, old_traces), progress)
+    recorder = _Recorder(out / "results.csv", previous)
+    synthetic_fits = {}  # the first repeat on each 2-D set, to draw
+    try:
+        if synthetic:
+            synthetic_fits = _run_synthetic(plan, previous, recorder, bar)
+        _run_grid(plan, previous, recorder, bar)
+    finally:
+        if plan.refreshed:
+            recorder.rewrite()
+        recorder.close()
+        bar.close()
+    _write_outputs(out, plan, recorder.rows, synthetic_fits, stale=stale,
+                   elapsed=time.perf_counter() - started, resumed=len(previous))
+    return recorder.rows
+
+
+@dataclass
+class _Plan:
+    """A run of the grid: its checked settings, its data, and the runs it still has to do."""
+
+    datasets: list[str]
+    trace_datasets: list[str]
+    sizes: tuple[int, ...]
+    repeats: int
+    methods: tuple[str, ...]
+    max_exact_n: int
+    trace_rank: int
+    n_init: int
+    max_iter: int
+    seed: int
+    synthetic: bool
+    d_repeats: dict[str, int]
+    m_repeats: dict[str, int]
+    loaded: dict[str, _Data]
+    done: set = field(default_factory=set)  # (experiment, dataset, method, size, repeat)
+    # The runs still to do per dataset, as (method, size or None, repeat), in run order.
+    grid: dict[str, list[tuple[str, int | None, int]]] = field(default_factory=dict)
+    need: dict[str, int] = field(default_factory=dict)  # ranks to factorize per dataset
+    traces: dict[str, Trace] = field(default_factory=dict)
+    refreshed: int = 0  # kept ICF rows whose factorization time this run measured again
+
+    @property
+    def sized(self) -> list[str]:
+        """The methods that take a subset size."""
+        return [m for m in self.methods if m not in FULL_METHODS]
+
+    def n_repeats(self, data: _Data, method: str) -> int:
+        r = self.d_repeats.get(data.name, self.repeats)
+        return min(r, self.m_repeats[method]) if method in self.m_repeats else r
+
+    def exact_ok(self, data: _Data) -> bool:
+        return data.n <= self.max_exact_n
+
+    def todo(self, experiment: str, token: str, method: str, s, r: int) -> bool:
+        return (experiment, token, method, s, r) not in self.done
+
+
+def _check_settings(datasets, sizes, repeats, *, methods, max_exact_n, seed, trace_datasets,
+                    trace_rank, synthetic, n_init, max_iter, dataset_repeats, method_repeats,
+                    data_home) -> _Plan:
+    """:func:`run_paper`'s arguments checked, and its datasets loaded, before anything runs."""
     if isinstance(datasets, str):
         datasets = [datasets]
     datasets = list(dict.fromkeys(datasets))
@@ -628,36 +638,37 @@ def run_paper(
         [trace_datasets] if isinstance(trace_datasets, str) else list(trace_datasets))
     for token in datasets + trace_datasets:
         _parse_token(token)
-    sizes = _check_sizes(sizes)
-    repeats = _check_positive(repeats, "repeats")
-    methods = _check_methods(methods)
-    max_exact_n = _check_positive(max_exact_n, "max_exact_n")
-    trace_rank = _check_positive(trace_rank, "trace_rank")
-    n_init = _check_positive(n_init, "n_init")
-    max_iter = _check_positive(max_iter, "max_iter")
-    d_repeats = _check_repeat_map(dataset_repeats, "dataset_repeats", known_datasets())
-    m_repeats = _check_repeat_map(method_repeats, "method_repeats", METHODS)
-    sized = [m for m in methods if m not in _FULL_METHODS]
-
-    loaded: dict[str, _Data] = {}
+    plan = _Plan(
+        datasets=datasets,
+        trace_datasets=trace_datasets,
+        sizes=_check_sizes(sizes),
+        repeats=_check_positive(repeats, "repeats"),
+        methods=_check_methods(methods),
+        max_exact_n=_check_positive(max_exact_n, "max_exact_n"),
+        trace_rank=_check_positive(trace_rank, "trace_rank"),
+        n_init=_check_positive(n_init, "n_init"),
+        max_iter=_check_positive(max_iter, "max_iter"),
+        seed=seed,
+        synthetic=synthetic,
+        d_repeats=_check_repeat_map(dataset_repeats, "dataset_repeats", known_datasets()),
+        m_repeats=_check_repeat_map(method_repeats, "method_repeats", METHODS),
+        loaded={},
+    )
     for token in dict.fromkeys(datasets + trace_datasets):
-        loaded[token] = _load(token, data_home, seed)
+        plan.loaded[token] = _load(token, data_home, seed)
     for token in datasets:
-        data = loaded[token]
-        if sized and sizes[-1] > data.n:
+        data = plan.loaded[token]
+        if plan.sized and plan.sizes[-1] > data.n:
             raise ValueError(
-                f"subset size s={sizes[-1]} is larger than n={data.n}, the number of rows of "
-                f"dataset {token!r}; use sizes <= {data.n}."
+                f"subset size s={plan.sizes[-1]} is larger than n={data.n}, the number of rows "
+                f"of dataset {token!r}; use sizes <= {data.n}."
             )
+    return plan
 
-    def n_repeats(data: _Data, method: str) -> int:
-        r = d_repeats.get(data.name, repeats)
-        return min(r, m_repeats[method]) if method in m_repeats else r
 
-    def exact_ok(data: _Data) -> bool:
-        return data.n <= max_exact_n
-
-    out = Path(out_dir)
+def _earlier_run(out: Path, plan: _Plan, *, resume: bool, overwrite: bool):
+    """What ``out`` holds of an earlier run: the figures to remove, the rows and the
+    trace curves to keep."""
     if (out / "results.csv").exists() and not (resume or overwrite):
         raise FileExistsError(
             f"{out} holds the results of an earlier run ({out / 'results.csv'}); pass "
@@ -670,137 +681,134 @@ def run_paper(
     out.mkdir(parents=True, exist_ok=True)
     stale = [out / name for name in _FIGURES if (out / name).exists()] if overwrite else []
     previous: list[dict] = []
-    old_traces: dict[str, _Trace] = {}
+    old_traces: dict[str, Trace] = {}
     if resume and (out / "results.csv").exists():
         previous = _read_results(out / "results.csv")
-        _check_resumable(previous, loaded, seed, out / "results.csv")
+        _check_resumable(previous, plan.loaded, plan.seed, out / "results.csv")
         if (out / "trace_error.csv").exists():
             old_traces = _read_traces(out / "trace_error.csv")
-    done = {(r["experiment"], r["dataset"], r["method"], r["size"], r["repeat"]) for r in previous}
+    return stale, previous, old_traces
 
-    def todo(experiment: str, token: str, method: str, s, r: int) -> bool:
-        return (experiment, token, method, s, r) not in done
 
-    # The runs still to do, as (method, size or None, repeat), in run order.
-    grid: dict[str, list[tuple[str, int | None, int]]] = {}
-    for token in datasets:
-        data = loaded[token]
+def _plan_runs(plan: _Plan, previous: list[dict], old_traces: dict[str, Trace]) -> int:
+    """Fill in the runs still to do, the ranks to factorize and the trace curves kept;
+    returns the steps of the progress bar."""
+    plan.done = {(r["experiment"], r["dataset"], r["method"], r["size"], r["repeat"])
+                 for r in previous}
+    for token in plan.datasets:
+        data = plan.loaded[token]
         cells = []
-        for r in range(max(n_repeats(data, m) for m in methods)):
-            for m in methods:
-                if m in _FULL_METHODS and r < n_repeats(data, m) and exact_ok(data):
+        for r in range(max(plan.n_repeats(data, m) for m in plan.methods)):
+            for m in plan.methods:
+                if m in FULL_METHODS and r < plan.n_repeats(data, m) and plan.exact_ok(data):
                     cells.append((m, None, r))
-            cells += [(m, s, r) for s in sizes for m in sized if r < n_repeats(data, m)]
-        grid[token] = [c for c in cells if todo("grid", token, *c)]
-
+            cells += [(m, s, r) for s in plan.sizes for m in plan.sized
+                      if r < plan.n_repeats(data, m)]
+        plan.grid[token] = [c for c in cells if plan.todo("grid", token, *c)]
     # Ranks to factorize per dataset: the largest size still to run and the trace curve.
-    need: dict[str, int] = {}
-    for token in datasets:
-        icf_sizes = [s for m, s, _ in grid[token] if m == "icf"]
+    for token in plan.datasets:
+        icf_sizes = [s for m, s, _ in plan.grid[token] if m == "icf"]
         if icf_sizes:
-            need[token] = min(max(icf_sizes), loaded[token].n)
-    traces: dict[str, _Trace] = {}
-    for token in trace_datasets:
-        rank = min(trace_rank, loaded[token].n)
+            plan.need[token] = min(max(icf_sizes), plan.loaded[token].n)
+    for token in plan.trace_datasets:
+        rank = min(plan.trace_rank, plan.loaded[token].n)
         old = old_traces.get(token)
         if old is not None and old.rank >= rank:
-            traces[token] = _Trace(old.initial_trace, old.trace_errors[:rank].copy())
+            plan.traces[token] = Trace(old.initial_trace, old.trace_errors[:rank].copy())
         else:
-            need[token] = max(need.get(token, 0), rank)
+            plan.need[token] = max(plan.need.get(token, 0), rank)
+    total = len(plan.need) + sum(len(cells) for cells in plan.grid.values())
+    return total + (len(SYNTHETIC) * (1 + plan.repeats) if plan.synthetic else 0)
 
-    total = len(need) + sum(len(cells) for cells in grid.values())
-    if synthetic:
-        total += len(SYNTHETIC) * (1 + repeats)
 
-    bar = _Progress(total, progress)
-    recorder = _Recorder(out / "results.csv", previous)
-    factors: dict[str, _Factor] = {}
-    refreshed = 0  # kept ICF rows whose factorization time this run measured again
-    synthetic_fits: dict[str, tuple[_Data, _Factor, np.ndarray]] = {}
-    try:
-        if synthetic:
-            for name in SYNTHETIC:
-                data = _load(name, None, seed)
-                bar.where(f"{data.label}: ICF")
-                factor = _factorize(data, _SYNTHETIC_RANK, _icf_reporter(bar, data.label))
-                refreshed += _refresh_factor_times(previous, "synthetic", data.token, factor)
-                bar.step()
-                for r in range(repeats):
-                    rseed = _repeat_seed(seed, r)
-                    bar.where(f"{data.label} ICF s={_SYNTHETIC_RANK} repeat {r + 1}/{repeats}")
-                    if todo("synthetic", data.token, "icf", _SYNTHETIC_RANK, r):
-                        labels = _record_icf(recorder, "synthetic", data, factor,
-                                             _SYNTHETIC_RANK, r, rseed, n_init, max_iter)
-                    elif r == 0:  # done before; its labels are drawn again
-                        labels = _icf_fit(data, factor, _SYNTHETIC_RANK, rseed, n_init,
-                                          max_iter)[0]
-                    if r == 0:
-                        synthetic_fits[name] = (data, factor, labels)
-                    bar.step()
-        for token in dict.fromkeys(datasets + trace_datasets):
-            if token in need:
-                data = loaded[token]
-                bar.where(f"{data.label}: ICF to rank {need[token]}")
-                timed = [s for m, s, _ in grid.get(token, ()) if m == "icf"] + [
-                    r["size"] for r in previous
-                    if (r["experiment"], r["dataset"], r["method"]) == ("grid", token, "icf")
-                ]
-                factors[token] = _factorize(data, need[token], _icf_reporter(bar, data.label),
-                                            timed)
-                refreshed += _refresh_factor_times(previous, "grid", token, factors[token])
-                if token in trace_datasets and token not in traces:
-                    res = factors[token].result
-                    rank = min(trace_rank, data.n)
-                    traces[token] = _Trace(res.initial_trace, res.trace_errors[:rank].copy())
-                bar.step()
-            if token not in datasets:
-                continue
-            data = loaded[token]
-            factor = factors.get(token)
-            for m, s, r in grid[token]:
-                rseed = _repeat_seed(seed, r)
-                if s is None:
-                    bar.where(f"{data.label} {METHOD_LABELS[m]} repeat {r + 1}")
-                    _record_baseline(recorder, data, m, None, r, rseed, n_init, max_iter)
-                elif m == "icf":
-                    bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
-                    _record_icf(recorder, "grid", data, factor, s, r, rseed, n_init, max_iter)
-                else:
-                    bar.where(f"{data.label} {METHOD_LABELS[m]} s={s} repeat {r + 1}")
-                    _record_baseline(recorder, data, m, s, r, rseed, n_init, max_iter)
-                bar.step()
-            factors.pop(token, None)  # frees P; the trace curve was kept apart
-    finally:
-        if refreshed:
-            recorder.rewrite()
-        recorder.close()
-        bar.close()
+def _run_synthetic(plan: _Plan, previous: list[dict], recorder: _Recorder, bar: _Progress):
+    """ICF on the 2-D sets over the repeats; returns the first repeat's fits, to draw."""
+    fits: dict[str, tuple[_Data, _Factor, np.ndarray]] = {}
+    for name in SYNTHETIC:
+        data = _load(name, None, plan.seed)
+        bar.where(f"{data.label}: ICF")
+        factor = _factorize(data, SYNTHETIC_RANK, _icf_reporter(bar, data.label))
+        plan.refreshed += _refresh_factor_times(previous, "synthetic", data.token, factor)
+        bar.step()
+        for r in range(plan.repeats):
+            rseed = _repeat_seed(plan.seed, r)
+            bar.where(f"{data.label} ICF s={SYNTHETIC_RANK} repeat {r + 1}/{plan.repeats}")
+            if plan.todo("synthetic", data.token, "icf", SYNTHETIC_RANK, r):
+                labels = _record_icf(recorder, "synthetic", data, factor, SYNTHETIC_RANK, r,
+                                     rseed, plan.n_init, plan.max_iter)
+            elif r == 0:  # done before; its labels are drawn again
+                labels = _icf_fit(data, factor, SYNTHETIC_RANK, rseed, plan.n_init,
+                                  plan.max_iter)[0]
+            if r == 0:
+                fits[name] = (data, factor, labels)
+            bar.step()
+    return fits
 
-    rows = recorder.rows
-    _write_trace_csv(out / "trace_error.csv", traces, loaded)
-    settings = {
-        "datasets": [loaded[t] for t in datasets],
-        "sizes": sizes,
-        "repeats": repeats,
-        "dataset_repeats": d_repeats,
-        "method_repeats": m_repeats,
-        "methods": methods,
-        "max_exact_n": max_exact_n,
-        "seed": seed,
-        "n_init": n_init,
-        "max_iter": max_iter,
-        "trace": {t: loaded[t] for t in traces},
-        "trace_rank": trace_rank,
-        "synthetic": synthetic,
-        "elapsed": time.perf_counter() - started,
-        "resumed": len(previous),
-        "refreshed": refreshed,
+
+def _run_grid(plan: _Plan, previous: list[dict], recorder: _Recorder, bar: _Progress) -> None:
+    """Every run of the grid still to do, dataset by dataset, and the trace curves."""
+    for token in dict.fromkeys(plan.datasets + plan.trace_datasets):
+        data = plan.loaded[token]
+        factor = None
+        if token in plan.need:
+            bar.where(f"{data.label}: ICF to rank {plan.need[token]}")
+            timed = [s for m, s, _ in plan.grid.get(token, ()) if m == "icf"] + [
+                r["size"] for r in previous
+                if (r["experiment"], r["dataset"], r["method"]) == ("grid", token, "icf")
+            ]
+            factor = _factorize(data, plan.need[token], _icf_reporter(bar, data.label), timed)
+            plan.refreshed += _refresh_factor_times(previous, "grid", token, factor)
+            if token in plan.trace_datasets and token not in plan.traces:
+                res = factor.result
+                rank = min(plan.trace_rank, data.n)
+                plan.traces[token] = Trace(res.initial_trace, res.trace_errors[:rank].copy())
+            bar.step()
+        if token not in plan.datasets:
+            continue
+        for m, s, r in plan.grid[token]:
+            rseed = _repeat_seed(plan.seed, r)
+            where = f"{data.label} {METHOD_LABELS[m]}" + ("" if s is None else f" s={s}")
+            bar.where(f"{where} repeat {r + 1}")
+            if m == "icf" and s is not None:
+                _record_icf(recorder, "grid", data, factor, s, r, rseed, plan.n_init,
+                            plan.max_iter)
+            else:
+                _record_baseline(recorder, data, m, s, r, rseed, plan.n_init, plan.max_iter)
+            bar.step()
+        # The factor (and its P) goes with this iteration; the trace curve was kept apart.
+
+
+def _report_settings(plan: _Plan, elapsed: float, resumed: int) -> dict:
+    """The run's settings as results.md states them."""
+    return {
+        "datasets": [plan.loaded[t] for t in plan.datasets],
+        "sizes": plan.sizes,
+        "repeats": plan.repeats,
+        "dataset_repeats": plan.d_repeats,
+        "method_repeats": plan.m_repeats,
+        "methods": plan.methods,
+        "max_exact_n": plan.max_exact_n,
+        "seed": plan.seed,
+        "n_init": plan.n_init,
+        "max_iter": plan.max_iter,
+        "trace": {t: plan.loaded[t] for t in plan.traces},
+        "trace_rank": plan.trace_rank,
+        "synthetic": plan.synthetic,
+        "elapsed": elapsed,
+        "resumed": resumed,
+        "refreshed": plan.refreshed,
     }
-    _write_markdown(out / "results.md", rows, traces, settings)
+
+
+def _write_outputs(out: Path, plan: _Plan, rows: list[dict], synthetic_fits: dict, *,
+                   stale: list[Path], elapsed: float, resumed: int) -> None:
+    """trace_error.csv, results.md and the figures, in place of an earlier run's."""
+    write_trace_csv(out / "trace_error.csv", plan.traces, plan.loaded)
+    write_markdown(out / "results.md", rows, plan.traces,
+                   _report_settings(plan, elapsed, resumed))
     for path in stale:  # the earlier run's figures: this run draws its own
         path.unlink(missing_ok=True)
-    _figures(out, rows, traces, loaded, datasets, synthetic_fits)
-    return rows
+    figures(out, rows, plan.traces, plan.loaded, plan.datasets, synthetic_fits)
 
 
 def _refresh_factor_times(rows: list[dict], experiment: str, token: str, factor: _Factor) -> int:
@@ -877,439 +885,6 @@ def _record_baseline(recorder, data, method, s, r, rseed, n_init, max_iter) -> N
     row.update(rank=getattr(est, "rank_", None), time_s=elapsed,
                n_iter=int(getattr(est, "n_iter_", 0)), note=_note(caught))
     recorder.add(_score(row, data.y, est.labels_))
-
-
-# --------------------------------------------------------------------------- summaries
-
-
-def _groups(rows: list[dict], experiment: str = "grid") -> dict[tuple, list[dict]]:
-    out: dict[tuple, list[dict]] = {}
-    for row in rows:
-        if row["experiment"] == experiment:
-            out.setdefault((row["dataset"], row["method"], row["size"]), []).append(row)
-    return out
-
-
-def _stats(values) -> tuple[float, float]:
-    v = np.asarray(values, dtype=float)
-    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
-
-
-def _summary(rows: list[dict], experiment: str = "grid") -> dict[tuple, dict]:
-    out = {}
-    for key, group in _groups(rows, experiment).items():
-        acc, acc_sd = _stats([g["acc"] for g in group])
-        nm, nm_sd = _stats([g["nmi"] for g in group])
-        out[key] = {
-            "runs": len(group),
-            "acc": acc, "acc_sd": acc_sd, "nmi": nm, "nmi_sd": nm_sd,
-            "time": float(np.median([g["time_s"] for g in group])),
-            "factor_time": group[0].get("factor_time_s"),
-            "rank": group[0].get("rank"),
-        }
-    return out
-
-
-def _trace_points(res: _Trace) -> list[tuple[int, float]]:
-    marks = [r for r in _TRACE_MARKS if r <= res.rank]
-    if res.rank not in marks:
-        marks.append(res.rank)
-    return [(r, float(res.trace_errors[r - 1])) for r in marks]
-
-
-def _write_trace_csv(path: Path, traces: dict[str, _Trace], loaded) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["dataset", "gamma", "rank", "trace_error", "relative"])
-        for token, res in traces.items():
-            g = _format_gamma(loaded[token].gamma)
-            w.writerow([token, g, 0, f"{res.initial_trace:.6g}", "1"])
-            for r, e in enumerate(res.trace_errors, start=1):
-                w.writerow([token, g, r, f"{e:.6g}", f"{e / res.initial_trace:.6g}"])
-
-
-def _write_markdown(path: Path, rows, traces, settings) -> None:
-    summary = _summary(rows)
-    lines = ["# Reproduction of the paper's experiments", ""]
-    lines += _settings_lines(settings)
-    for data in settings["datasets"]:
-        lines += ["", f"## {data.label}", "",
-                  f"n = {data.n}, d = {data.X.shape[1]}, k = {data.n_clusters}, "
-                  f"gamma = {_format_gamma(data.gamma)} ({data.note}).", ""]
-        keys = [k for k in summary if k[0] == data.token]
-        if not keys:
-            lines.append("No runs.")
-            continue
-        if any(m in settings["methods"] for m in _FULL_METHODS) and data.n > settings[
-                "max_exact_n"]:
-            lines += [f"Kernel and Kernel+Chol not run: n = {data.n} > max_exact_n = "
-                      f"{settings['max_exact_n']} (the paper ran them on PenDigits and "
-                      "Satimage only).", ""]
-        lines += ["| method | s | runs | ACC mean ± std | NMI mean ± std | median time (s) |",
-                  "|---|---:|---:|---|---|---:|"]
-        order = {m: i for i, m in enumerate(METHODS)}
-        for key in sorted(keys, key=lambda k: (order[k[1]], k[2] or 0)):
-            st = summary[key]
-            s = "full" if key[2] is None else str(key[2])
-            if key[1] == "icf" and st["rank"] is not None and key[2] is not None \
-                    and st["rank"] < key[2]:
-                s += f" (rank {st['rank']})"
-            lines.append(
-                f"| {METHOD_LABELS[key[1]]} | {s} | {st['runs']} | "
-                f"{st['acc']:.4f} ± {st['acc_sd']:.4f} | {st['nmi']:.4f} ± {st['nmi_sd']:.4f} | "
-                f"{st['time']:.3g} |"
-            )
-        lines += _comparison_lines(summary, data.token)
-    synth = _summary(rows, "synthetic")
-    if synth:
-        lines += ["", "## Synthetic 2-D sets (ICF, s = 50)", "",
-                  "| dataset | gamma | runs | ACC mean ± std | min ACC | median time (s) |",
-                  "|---|---|---:|---|---:|---:|"]
-        for key, st in synth.items():
-            accs = [r["acc"] for r in _groups(rows, "synthetic")[key]]
-            lines.append(
-                f"| {_DISPLAY.get(key[0], key[0])} | {_format_gamma(SYNTHETIC[key[0]][1])} | "
-                f"{st['runs']} | {st['acc']:.4f} ± {st['acc_sd']:.4f} | {min(accs):.4f} | "
-                f"{st['time']:.3g} |"
-            )
-    if traces:
-        lines += ["", "## ICF trace error tr(K - PP^T)", "",
-                  "Relative to tr(K) = n.  'decay per 100' is (e(s2)/e(s1))^(100/(s2-s1)) "
-                  "between consecutive ranks: constant for an exponential decay, rising "
-                  "towards 1 for a slower one.", "",
-                  "| dataset | gamma | s | trace error | relative | decay per 100 |",
-                  "|---|---|---:|---:|---:|---:|"]
-        for token, res in traces.items():
-            prev = None
-            for r, e in _trace_points(res):
-                decay = "" if prev is None or e <= 0 or prev[1] <= 0 else \
-                    f"{(e / prev[1]) ** (100.0 / (r - prev[0])):.3f}"
-                lines.append(
-                    f"| {settings['trace'][token].label} | "
-                    f"{_format_gamma(settings['trace'][token].gamma)} | {r} | {e:.4g} | "
-                    f"{e / res.initial_trace:.3e} | {decay} |"
-                )
-                prev = (r, e)
-    lines.append("")
-    path.write_text("\n".join(lines), encoding="utf-8")
-
-
-def _comparison_lines(summary: dict, token: str) -> list[str]:
-    """ICF next to the sampling baselines at every size, and against the full kernel."""
-    sized = [m for m in METHODS if m not in _FULL_METHODS
-             and any(k[0] == token and k[1] == m for k in summary)]
-    sizes = sorted({k[2] for k in summary if k[0] == token and k[2] is not None})
-    lines = []
-    if len(sized) > 1 and sizes:
-        lines += ["", "ACC at equal subset size (mean ± std; the best mean in bold, the "
-                  "smallest std marked *):", "",
-                  "| s | " + " | ".join(METHOD_LABELS[m] for m in sized) + " |",
-                  "|---:|" + "---|" * len(sized)]
-        for size in sizes:
-            cells = {m: summary.get((token, m, size)) for m in sized}
-            present = [m for m in sized if cells[m] is not None]
-            best = max(present, key=lambda m: cells[m]["acc"])
-            steady = min(present, key=lambda m: cells[m]["acc_sd"])
-            row = []
-            for m in sized:
-                st = cells[m]
-                if st is None:
-                    row.append("")
-                    continue
-                text = f"{st['acc']:.4f} ± {st['acc_sd']:.4f}"
-                text = f"**{text}**" if m == best else text
-                row.append(text + (" *" if m == steady else ""))
-            lines.append(f"| {size} | " + " | ".join(row) + " |")
-    full = summary.get((token, "kernel", None))
-    icf = [(size, summary[(token, "icf", size)]) for size in sizes
-           if (token, "icf", size) in summary]
-    if full is not None and icf:
-        bar = full["acc"] - full["acc_sd"]
-        reached = [size for size, st in icf if st["acc"] >= bar]
-        missed = [size for size, st in icf if st["acc"] < bar]
-        if not reached:
-            where = "at none of the sizes run"
-        elif not missed or missed[-1] < reached[0]:
-            where = f"from s = {reached[0]} on"
-        else:
-            where = (f"at s = {', '.join(map(str, reached))} "
-                     f"(not at s = {', '.join(map(str, missed))})")
-        lines += ["", f"Kernel (full matrix): ACC {full['acc']:.4f} ± {full['acc_sd']:.4f}, "
-                  f"median time {full['time']:.3g} s.  ICF's mean ACC is at least Kernel's "
-                  f"mean minus one std ({bar:.4f}) {where}."]
-    return lines
-
-
-def _settings_lines(st) -> list[str]:
-    reps = f"{st['repeats']}"
-    extra = [f"{k}: {v}" for k, v in st["dataset_repeats"].items()]
-    extra += [f"{METHOD_LABELS[k]}: at most {v}" for k, v in st["method_repeats"].items()]
-    if extra:
-        reps += f" ({'; '.join(extra)})"
-    load = ""
-    if hasattr(os, "getloadavg"):
-        load = ", load average at the end {:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
-    return [
-        f"- datasets: {', '.join(d.token for d in st['datasets']) or 'none'}",
-        f"- subset sizes s: {', '.join(map(str, st['sizes']))}",
-        f"- methods: {', '.join(METHOD_LABELS[m] for m in st['methods'])}",
-        f"- repeats: {reps}; repeat r uses the seed derived from (seed={st['seed']}, r), "
-        "the same for every method",
-        f"- every k-means / kernel k-means: n_init = {st['n_init']}, at most "
-        f"{st['max_iter']} iterations; Kernel and Kernel+Chol only where n <= "
-        f"{st['max_exact_n']}",
-        f"- ICF: KernelKMeans(rank=s, tol={PAPER_TOL:g}, algorithm='lloyd'), Gaussian kernel "
-        "with the paper's gamma, default pivot rule ('block-greedy': the paper's greedy "
-        "pivots, several per pass over X).  The factorization is deterministic, so it ran once per "
-        "dataset up to the largest s, and the wall time of a factorization to rank s "
-        "(one run per s) is added to each repeat's k-means time.",
-        "- baselines: the wall time of one fit (kernel matrix, factorization or features "
-        "included)",
-        "- std is the sample standard deviation over the repeats; time is the median",
-        f"- machine: {os.cpu_count()} cores ({platform.machine()}), Python "
-        f"{platform.python_version()}, numpy {np.__version__}{load}",
-        f"- total wall time of the run: {st['elapsed'] / 60:.1f} min"
-        + (f" (resumed: {st['resumed']} runs were kept from an earlier results.csv with "
-           "their times; where this run factorized a dataset again, the ICF rows kept "
-           f"for it ({st.get('refreshed', 0)}) take this run's factorization time)"
-           if st.get("resumed") else ""),
-    ]
-
-
-# --------------------------------------------------------------------------- figures
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _panels(plt, count: int, width: float = 4.6, height: float = 3.4):
-    ncols = 1 if count == 1 else 2 if count in (2, 4) else 3
-    nrows = math.ceil(count / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
-    flat = axes.ravel()
-    for ax in flat[count:]:
-        ax.set_visible(False)
-    return fig, flat[:count]
-
-
-def _figures(out: Path, rows, traces, loaded, datasets, synthetic_fits) -> None:
-    plt = _pyplot()
-    if traces:
-        _trace_figure(plt, out / "trace_error.png", traces, loaded)
-    if synthetic_fits:
-        _synthetic_figure(plt, out / "synthetic.png", synthetic_fits, _summary(rows, "synthetic"))
-    summary = _summary(rows)
-    grid = [t for t in datasets if any(k[0] == t for k in summary)]
-    if grid:
-        _curve_figure(plt, out / "accuracy.png", summary, grid, loaded, "acc")
-        _curve_figure(plt, out / "time.png", summary, grid, loaded, "time")
-        _small_time_figure(plt, out / "time_small.png", summary, grid, loaded)
-
-
-def _save(plt, fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def _trace_figure(plt, path, traces, loaded) -> None:
-    fig, axes = _panels(plt, len(traces))
-    for ax, (token, res) in zip(axes, traces.items()):
-        te = np.concatenate([[res.initial_trace], res.trace_errors])
-        ranks = np.arange(te.size)
-        keep = te > 0
-        ax.semilogy(ranks[keep], te[keep], color="tab:red", lw=1.6)
-        ax.set_xlabel("rank s")
-        ax.set_ylabel(r"tr$(K - PP^\top)$")
-        ax.set_title(f"{loaded[token].label}, gamma = {_format_gamma(loaded[token].gamma)}")
-        ax.grid(True, which="both", alpha=0.3)
-    _save(plt, fig, path)
-
-
-def _synthetic_figure(plt, path, fits, summary) -> None:
-    fig, axes = _panels(plt, len(fits), width=4.0, height=4.0)
-    for ax, (data, factor, labels) in zip(axes, fits.values()):
-        acc = clustering_accuracy(data.y, labels)
-        ax.scatter(data.X[:, 0], data.X[:, 1], c=labels, cmap="coolwarm", s=5, linewidths=0)
-        piv = factor.result.pivot_rows[:_SYNTHETIC_RANK]
-        ax.scatter(piv[:, 0], piv[:, 1], s=55, facecolors="none", edgecolors="green",
-                   linewidths=1.3, label=f"{piv.shape[0]} pivots")
-        ax.set_aspect("equal", adjustable="datalim")
-        title = f"{data.label}, gamma = {_format_gamma(data.gamma)}\nACC {acc:.3f} (repeat 1)"
-        st = summary.get((data.token, "icf", _SYNTHETIC_RANK))
-        if st is not None and st["runs"] > 1:
-            title += f", mean of {st['runs']}: {st['acc']:.3f}"
-        ax.set_title(title, fontsize=10)
-        ax.legend(loc="lower right", fontsize=8)
-    _save(plt, fig, path)
-
-
-def _curve_figure(plt, path, summary, grid, loaded, what: str) -> None:
-    fig, axes = _panels(plt, len(grid))
-    for ax, token in zip(axes, grid):
-        keys = [k for k in summary if k[0] == token]
-        for m in METHODS:
-            color, marker = _STYLE[m]
-            if m in _FULL_METHODS:
-                full = summary.get((token, m, None))
-                if full is None:
-                    continue
-                ls = "--" if m == "kernel" else ":"
-                ax.axhline(full[what], color=color, ls=ls, lw=1.3, label=METHOD_LABELS[m])
-                if what == "acc" and full["acc_sd"] > 0:
-                    ax.axhspan(full["acc"] - full["acc_sd"], full["acc"] + full["acc_sd"],
-                               color=color, alpha=0.08)
-                continue
-            sizes = sorted(k[2] for k in keys if k[1] == m)
-            if not sizes:
-                continue
-            vals = [summary[(token, m, s)][what] for s in sizes]
-            if what == "acc":
-                err = [summary[(token, m, s)]["acc_sd"] for s in sizes]
-                ax.errorbar(sizes, vals, yerr=err, color=color, marker=marker, ms=4, lw=1.3,
-                            capsize=3, label=METHOD_LABELS[m])
-            else:
-                ax.plot(sizes, vals, color=color, marker=marker, ms=4, lw=1.3,
-                        label=METHOD_LABELS[m])
-        ax.set_xscale("log")
-        grid_sizes = sorted({k[2] for k in keys if k[2] is not None})
-        ax.set_xticks(grid_sizes, [str(v) for v in grid_sizes])
-        ax.minorticks_off()
-        ax.set_xlabel("subset size s")
-        if what == "acc":
-            ax.set_ylabel("clustering accuracy")
-        else:
-            ax.set_yscale("log")
-            ax.set_ylabel("median wall time (s)")
-        ax.set_title(loaded[token].label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    _save(plt, fig, path)
-
-
-def _small_size(name: str, sizes: list[int]) -> int:
-    want = PAPER_SUBSET_SIZE.get(name, sizes[0])
-    return min(sizes, key=lambda s: (abs(s - want), s))
-
-
-def _small_time_figure(plt, path, summary, grid, loaded) -> None:
-    fig, axes = _panels(plt, len(grid))
-    for ax, token in zip(axes, grid):
-        keys = [k for k in summary if k[0] == token]
-        sizes = sorted({k[2] for k in keys if k[2] is not None})
-        s = _small_size(loaded[token].name, sizes) if sizes else None
-        bars = []
-        for m in METHODS:
-            key = (token, m, None if m in _FULL_METHODS else s)
-            if key in summary:
-                bars.append((m, summary[key]))
-        x = np.arange(len(bars))
-        heights = [b[1]["time"] for b in bars]
-        ax.bar(x, heights, color=[_STYLE[m][0] for m, _ in bars])
-        for xi, (_, st) in zip(x, bars):
-            ax.annotate(f"ACC {st['acc']:.3f}", (xi, st["time"]), ha="center", va="bottom",
-                        fontsize=7, xytext=(0, 2), textcoords="offset points")
-        ax.set_xticks(x, ["Chol" if m == "kernel+chol" else METHOD_LABELS[m] for m, _ in bars],
-                      fontsize=8)
-        ax.set_ylabel("median wall time (s)")
-        ax.set_title(f"{loaded[token].label}, s = {s}")
-        if heights and max(heights) > 20 * min(heights):
-            ax.set_yscale("log")
-            ax.set_ylim(top=max(heights) * 4)
-        elif heights:
-            ax.set_ylim(0, max(heights) * 1.15)
-        ax.grid(True, axis="y", which="both", alpha=0.3)
-    _save(plt, fig, path)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def _key_value(text: str) -> tuple[str, int]:
-    key, sep, value = text.partition("=")
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if not sep or not key or number < 1:
-        raise argparse.ArgumentTypeError(f"expected NAME=COUNT with COUNT >= 1, got {text!r}")
-    return key, number
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``bench`` with its ``paper`` subcommand to the CLI's subparsers.
-
-    Parameters
-    ----------
-    subparsers : argparse._SubParsersAction
-        The top-level ``add_subparsers()`` object of ``dkicf``.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The ``bench`` parser.
-    """
-    bench = subparsers.add_parser("bench", help="benchmarks: reproduce the paper's experiments")
-    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    sub.required = True
-    p = sub.add_parser(
-        "paper",
-        help="every method on the paper's grid: results.csv, results.md and PNG figures",
-        description="Run ICF kernel k-means and the paper's baselines over datasets x subset "
-                    "sizes x repeats; write results.csv, results.md and the figures.",
-    )
-    p.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), metavar="NAME",
-                   help=f"from {', '.join(known_datasets())}; NAME:N for a seeded subsample "
-                        f"(default: {' '.join(DEFAULT_DATASETS)})")
-    p.add_argument("--sizes", nargs="+", type=_positive, default=list(DEFAULT_SIZES),
-                   metavar="S", help="subset sizes (default: 25 50 100 200 500 1000)")
-    p.add_argument("--repeats", type=_positive, default=10, help="runs per cell (default: 10)")
-    p.add_argument("--out-dir", default="docs/results",
-                   help="output folder (default: docs/results)")
-    p.add_argument("--data-home", help="folder holding the <name>.npz files")
-    p.add_argument("--methods", nargs="+", metavar="METHOD",
-                   help=f"subset of {', '.join(METHODS)} (default: all)")
-    p.add_argument("--max-exact-n", type=_positive, default=12000,
-                   help="largest n for Kernel and Kernel+Chol (default: 12000)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace-datasets", nargs="*", default=list(DEFAULT_TRACE_DATASETS),
-                   metavar="NAME", help="datasets of the trace-error figure (default: usps mnist)")
-    p.add_argument("--trace-rank", type=_positive, default=1000,
-                   help="largest rank of the trace-error curves (default: 1000)")
-    p.add_argument("--no-synthetic", dest="synthetic", action="store_false",
-                   help="skip the Ring / Parabolic / Zigzag figure")
-    p.add_argument("--n-init", type=_positive, default=1,
-                   help="k-means restarts in every fit (default: 1)")
-    p.add_argument("--max-iter", type=_positive, default=PAPER_MAX_ITER,
-                   help="k-means iteration cap (default: 1000)")
-    p.add_argument("--dataset-repeats", nargs="+", type=_key_value, default=[],
-                   metavar="NAME=R", help="fewer (or more) repeats for some datasets")
-    p.add_argument("--method-repeats", nargs="+", type=_key_value, default=[],
-                   metavar="METHOD=R", help="at most R repeats for some methods")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the runs already in OUT_DIR/results.csv and do only the missing "
-                        "ones (same seed and data; checked)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in OUT_DIR")
-    p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
-                   help="no progress bar")
-    return bench
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -8,31 +8,30 @@ certificates unless given some), and a TLS connection requires encryption and
 mutual authentication.  The Kubernetes and batch-system back ends are optional
 extras; this module imports without them and names the extra to install when
 one is missing.  Clusters on Kubernetes or a batch system are returned once
-their workers have joined, or a time limit has passed.
+their workers have joined, or a time limit has passed.  Connecting to a
+running scheduler, and its TLS settings, are :mod:`dkicf._connect`'s
+(:func:`connect` and :func:`make_security` here too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 import math
 import os
 import re
 import shlex
 import shutil
-import ssl
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from . import _config
+from ._cluster import all_workers
+from ._connect import TLS_FLAGS, connect, make_security
 from .errors import DkicfError
-
-if TYPE_CHECKING:
-    from distributed import Client
-    from distributed.security import Security
 
 __all__ = [
     "CLUSTER_KINDS",
@@ -42,6 +41,7 @@ __all__ = [
     "connect",
     "jobqueue_script",
     "kubernetes_spec",
+    "local_cluster",
     "make_security",
     "start_cluster",
 ]
@@ -53,7 +53,6 @@ CLUSTER_KINDS = ("local", "kubernetes", "slurm", "pbs")
 # that dask pauses, spills or restarts a worker before the kernel OOM-kills it.
 _K8S_DASK_MEMORY_FRACTION = 0.9
 _SCRIPT_SCHEDULER = "tcp://<scheduler-address>:8786"
-_TLS_FLAGS = "--tls-ca-file, --tls-cert and --tls-key"
 # How long start_cluster waits for the workers of batch jobs or pods by default,
 # how often it looks, and how often it says that it is still waiting.
 _WORKER_TIMEOUT = 3600.0
@@ -87,264 +86,6 @@ def _require(module: str, extra: str, purpose: str):
             f"{purpose} needs the optional dependency {package}, which is not installed. "
             f'Install it with: pip install "dkicf[{extra}]"'
         ) from exc
-
-
-# --------------------------------------------------------------------------- TLS
-
-
-def _read_file(path, flag: str) -> bytes:
-    """Read a file named by a command-line flag; errors name the flag and the path."""
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{flag} {path}: no such file.") from None
-    except PermissionError:
-        raise PermissionError(f"{flag} {path}: not readable by this user.") from None
-    except OSError as exc:
-        raise OSError(f"{flag} {path}: cannot be read ({exc.strerror or exc}).") from None
-
-
-def make_security(
-    tls_ca_file: str | Path | None = None,
-    tls_cert: str | Path | None = None,
-    tls_key: str | Path | None = None,
-) -> Security | None:
-    """Build the TLS settings for a scheduler that requires mutual TLS.
-
-    Parameters
-    ----------
-    tls_ca_file : str or Path, optional
-        PEM file of the certificate authority that signed the scheduler's and
-        the workers' certificates.
-    tls_cert : str or Path, optional
-        PEM certificate of this process, signed by that authority.
-    tls_key : str or Path, optional
-        PEM private key of ``tls_cert``.  May be omitted when ``tls_cert``
-        holds the key too.
-
-    Returns
-    -------
-    distributed.security.Security or None
-        None when no file is given (plain ``tcp://``); otherwise settings with
-        ``require_encryption=True`` that use the same certificate for the
-        client, scheduler and worker roles.
-
-    Raises
-    ------
-    ValueError
-        Only some of the files are given, a file is not PEM, or the
-        certificate and key do not belong together.
-    FileNotFoundError, PermissionError
-        A file is missing or unreadable (the message names the flag and path).
-
-    Notes
-    -----
-    Whether the certificate was signed by the authority the *scheduler*
-    trusts can only be known at the TLS handshake; :func:`connect` reports that
-    case.
-
-    Examples
-    --------
-    >>> from dkicf.deploy import make_security
-    >>> make_security() is None
-    True
-    """
-    from distributed.security import Security
-
-    if tls_ca_file is None and tls_cert is None and tls_key is None:
-        return None
-    missing = [
-        flag
-        for flag, value in (("--tls-ca-file", tls_ca_file), ("--tls-cert", tls_cert))
-        if value is None
-    ]
-    if missing:
-        raise ValueError(
-            f"TLS needs {_TLS_FLAGS} (the key may be inside the certificate file); "
-            f"missing: {', '.join(missing)}."
-        )
-    ca_pem = _read_file(tls_ca_file, "--tls-ca-file")
-    cert_pem = _read_file(tls_cert, "--tls-cert")
-    if tls_key is None:
-        if b"PRIVATE KEY-----" not in cert_pem:
-            raise ValueError(
-                f"--tls-key is missing and --tls-cert {tls_cert} holds no private key; "
-                "pass the key file with --tls-key."
-            )
-    else:
-        _read_file(tls_key, "--tls-key")
-    if b"-----BEGIN CERTIFICATE-----" not in ca_pem:
-        raise ValueError(f"--tls-ca-file {tls_ca_file}: not a PEM certificate.")
-    if b"-----BEGIN CERTIFICATE-----" not in cert_pem:
-        raise ValueError(f"--tls-cert {tls_cert}: not a PEM certificate.")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        context.load_verify_locations(cafile=str(tls_ca_file))
-    except ssl.SSLError as exc:
-        raise ValueError(
-            f"--tls-ca-file {tls_ca_file}: not a usable CA certificate ({exc.reason or exc})."
-        ) from None
-    try:
-        context.load_cert_chain(str(tls_cert), None if tls_key is None else str(tls_key))
-    except ssl.SSLError as exc:
-        raise ValueError(
-            f"--tls-cert {tls_cert} and --tls-key {tls_key} are not a certificate and its "
-            f"private key ({exc.reason or exc}). Pass the key that was generated with "
-            "this certificate."
-        ) from None
-    files = {"ca": str(tls_ca_file), "cert": str(tls_cert), "key": tls_key and str(tls_key)}
-    return Security(
-        tls_ca_file=files["ca"],
-        tls_client_cert=files["cert"],
-        tls_client_key=files["key"],
-        tls_scheduler_cert=files["cert"],
-        tls_scheduler_key=files["key"],
-        tls_worker_cert=files["cert"],
-        tls_worker_key=files["key"],
-        require_encryption=True,
-    )
-
-
-# ------------------------------------------------------------- existing scheduler
-
-
-def _read_scheduler_file(path, timeout: float) -> str:
-    """The address in a scheduler file, waiting up to ``timeout`` s for it to appear."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            address = json.loads(Path(path).read_text())["address"]
-        except FileNotFoundError:
-            problem = "does not exist"
-        except (json.JSONDecodeError, KeyError, TypeError):
-            # A scheduler may be half-way through writing it.
-            problem = "holds no scheduler address"
-        else:
-            if isinstance(address, str) and address:
-                return address
-            problem = "holds no scheduler address"
-        if time.monotonic() >= deadline:
-            raise FileNotFoundError(
-                f"scheduler file {path} {problem} after {timeout:g} s. Is the scheduler "
-                "running (dask scheduler --scheduler-file ...), and is the file on a "
-                "filesystem this machine shares with it?"
-            )
-        time.sleep(0.2)
-
-
-def _security_from_config() -> Security | None:
-    """TLS settings from dask's configuration (``distributed.comm.tls``), if complete."""
-    from distributed.security import Security
-
-    configured = Security()
-    if configured.tls_ca_file and configured.tls_client_cert:
-        return configured
-    return None
-
-
-def connect(
-    scheduler: str | None = None,
-    *,
-    scheduler_file: str | Path | None = None,
-    security: Security | None = None,
-    timeout: float = 10.0,
-) -> Client:
-    """Connect to a running dask scheduler.
-
-    Parameters
-    ----------
-    scheduler : str, optional
-        Its address, ``tcp://host:port`` or ``tls://host:port`` (``host:port``
-        means ``tls://`` when ``security`` is given, else ``tcp://``).
-    scheduler_file : str or Path, optional
-        Instead of ``scheduler``: the JSON file written by
-        ``dask scheduler --scheduler-file``; waited for up to ``timeout``.
-    security : distributed.security.Security, optional
-        TLS settings from :func:`make_security`.  Without it, TLS settings in
-        dask's configuration (``distributed.comm.tls``) are used if complete.
-    timeout : float, default=10
-        Seconds before giving up.
-
-    Returns
-    -------
-    distributed.Client
-
-    Raises
-    ------
-    ValueError
-        The address and the TLS settings disagree (``tls://`` without
-        certificates, or certificates with ``tcp://``).
-    ConnectionError
-        No scheduler answered at the address within ``timeout``, or the TLS
-        handshake failed; the message names the address.
-    FileNotFoundError
-        The scheduler file did not appear.
-    """
-    from distributed import Client
-
-    if (scheduler is None) == (scheduler_file is None):
-        raise ValueError("Give exactly one of scheduler (an address) and scheduler_file.")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}.")
-    start = time.monotonic()
-    if scheduler_file is not None:
-        scheduler = _read_scheduler_file(scheduler_file, timeout)
-    if not isinstance(scheduler, str) or not scheduler:
-        raise TypeError(f"scheduler must be an address string, got {scheduler!r}.")
-    protocol = scheduler.split("://", 1)[0] if "://" in scheduler else None
-    if security is None and protocol in ("tls", None):
-        security = _security_from_config()
-    if protocol is None:
-        protocol = "tls" if security is not None else "tcp"
-        scheduler = f"{protocol}://{scheduler}"
-    address = scheduler
-    if protocol == "tls" and security is None:
-        raise ValueError(
-            f"the scheduler at {address} speaks TLS: pass {_TLS_FLAGS} "
-            "(security=make_security(ca_file, cert, key))."
-        )
-    if protocol != "tls" and security is not None and security.require_encryption:
-        raise ValueError(
-            f"TLS certificates were given but the address {address} is not tls://; "
-            f"use tls://{address.split('://', 1)[1]} or drop the certificates."
-        )
-    remaining = max(timeout - (time.monotonic() - start), 1.0)
-    try:
-        return Client(address, security=security, timeout=remaining)
-    except (OSError, TimeoutError) as exc:
-        raise ConnectionError(
-            f"could not connect to the dask scheduler at {address} (timeout {timeout:g} s): "
-            f"{exc}. {_connect_hint(protocol, str(exc), security)}"
-        ) from None
-
-
-def _connect_hint(protocol: str, message: str, security: Security | None) -> str:
-    """What to check after a failed connection, from the error text."""
-    if protocol != "tls":
-        return (
-            "Is the scheduler running, reachable from here, and listening on tcp://? "
-            f"(A TLS scheduler needs a tls:// address and {_TLS_FLAGS}.)"
-        )
-    if any(
-        sign in message
-        for sign in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "EOF occurred")
-    ):
-        # With TLS 1.3 the scheduler's refusal may arrive as an alert or as a
-        # closed connection, depending on timing.
-        return (
-            f"The scheduler ended the TLS handshake: most likely it refused this client's "
-            f"certificate (--tls-cert {security.tls_client_cert}; is it signed by a CA the "
-            "scheduler trusts?), or it does not speak TLS."
-        )
-    if "does not match" in message or "CERTIFICATE_VERIFY_FAILED" in message:
-        return (
-            f"The scheduler's certificate is not signed by the CA in --tls-ca-file "
-            f"{security.tls_ca_file}."
-        )
-    return (
-        "Check that --tls-ca-file holds the CA that signed the scheduler's certificate and "
-        "that --tls-cert/--tls-key were signed by the CA the scheduler trusts."
-    )
 
 
 # ---------------------------------------------------------------- start a cluster
@@ -507,28 +248,49 @@ def kubernetes_spec(
         parse_bytes(scheduler_memory) if isinstance(scheduler_memory, str) else scheduler_memory
     )
     env_list = [{"name": k, "value": str(v)} for k, v in (env or {}).items()]
-    container_security = {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
+    worker = _k8s_worker(image, threads, dask_bytes, worker_memory, env_list)
+    if secret is not None:
+        worker["envFrom"] = [{"secretRef": {"name": secret}}]
+    scheduler = _k8s_scheduler(image, scheduler_cpu, _k8s_memory(scheduler_bytes), env_list)
+    return {
+        "apiVersion": "kubernetes.dask.org/v1",
+        "kind": "DaskCluster",
+        "metadata": {"name": name},
+        "spec": {
+            "worker": {"replicas": workers, "spec": _k8s_pod(worker)},
+            "scheduler": {"spec": _k8s_pod(scheduler), "service": _k8s_service(name)},
+        },
     }
 
-    def pod(container):
-        return {
-            "automountServiceAccountToken": False,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": 10001,
-                "runAsGroup": 10001,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [container],
-        }
 
-    def resources(cpu, memory):
-        amount = {"cpu": str(cpu), "memory": memory}
-        return {"requests": dict(amount), "limits": dict(amount)}
+def _k8s_container_security() -> dict:
+    """Every container's: no privilege escalation, no Linux capabilities."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
-    worker = {
+
+def _k8s_pod(container: dict) -> dict:
+    """A pod spec of one container, run as a non-root user without a service account token."""
+    return {
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+    }
+
+
+def _k8s_resources(cpu, memory: str) -> dict:
+    """Requests equal to limits: the pod gets what dask was told it has."""
+    amount = {"cpu": str(cpu), "memory": memory}
+    return {"requests": dict(amount), "limits": dict(amount)}
+
+
+def _k8s_worker(image: str, threads: int, dask_bytes: int, memory: str, env: list) -> dict:
+    """The worker container: ``threads`` CPUs, dask's memory limit below the container's."""
+    return {
         "name": "worker",
         "image": image,
         "args": [
@@ -538,52 +300,46 @@ def kubernetes_spec(
             "--memory-limit", str(dask_bytes),
             "--no-dashboard",
         ],
-        "resources": resources(threads, worker_memory),
-        "securityContext": container_security,
-        "env": env_list,
+        "resources": _k8s_resources(threads, memory),
+        "securityContext": _k8s_container_security(),
+        "env": env,
     }
-    if secret is not None:
-        worker["envFrom"] = [{"secretRef": {"name": secret}}]
+
+
+def _k8s_scheduler(image: str, cpu: int, memory: str, env: list) -> dict:
+    """The scheduler container, its dashboard's ``/health`` probed for readiness and life."""
     health = {"httpGet": {"port": "http-dashboard", "path": "/health"}}
-    scheduler = {
+    return {
         "name": "scheduler",
         "image": image,
         "args": ["dask", "scheduler", "--port", "8786", "--dashboard-address", ":8787"],
-        "resources": resources(scheduler_cpu, _k8s_memory(scheduler_bytes)),
-        "securityContext": container_security,
+        "resources": _k8s_resources(cpu, memory),
+        "securityContext": _k8s_container_security(),
         "ports": [
             {"name": "tcp-comm", "containerPort": 8786, "protocol": "TCP"},
             {"name": "http-dashboard", "containerPort": 8787, "protocol": "TCP"},
         ],
         "readinessProbe": {**health, "initialDelaySeconds": 5, "periodSeconds": 5},
         "livenessProbe": {**health, "initialDelaySeconds": 15, "periodSeconds": 20},
-        "env": env_list,
-    }
-    return {
-        "apiVersion": "kubernetes.dask.org/v1",
-        "kind": "DaskCluster",
-        "metadata": {"name": name},
-        "spec": {
-            "worker": {"replicas": workers, "spec": pod(worker)},
-            "scheduler": {
-                "spec": pod(scheduler),
-                "service": {
-                    "type": "ClusterIP",
-                    "selector": {
-                        "dask.org/cluster-name": name,
-                        "dask.org/component": "scheduler",
-                    },
-                    "ports": [
-                        {"name": "tcp-comm", "protocol": "TCP", "port": 8786,
-                         "targetPort": "tcp-comm"},
-                        {"name": "http-dashboard", "protocol": "TCP", "port": 8787,
-                         "targetPort": "http-dashboard"},
-                    ],
-                },
-            },
-        },
+        "env": env,
     }
 
+
+def _k8s_service(name: str) -> dict:
+    """The scheduler's Service: ClusterIP, reachable inside the Kubernetes cluster only."""
+    return {
+        "type": "ClusterIP",
+        "selector": {
+            "dask.org/cluster-name": name,
+            "dask.org/component": "scheduler",
+        },
+        "ports": [
+            {"name": "tcp-comm", "protocol": "TCP", "port": 8786,
+             "targetPort": "tcp-comm"},
+            {"name": "http-dashboard", "protocol": "TCP", "port": 8787,
+             "targetPort": "http-dashboard"},
+        ],
+    }
 
 _KUBERNETES_OPTIONS = (
     "name", "image", "workers", "threads", "memory_limit", "env", "secret",
@@ -704,7 +460,7 @@ def _jobqueue_security(kind: str, options: dict):
             f"the scheduler of a {_JOBQUEUE[kind]} cluster speaks mutual TLS, by default with "
             "throwaway certificates (security=True), which need the cryptography package: "
             'pip install cryptography (part of pip install "dkicf[hpc]"). Or bring '
-            f"certificates of your own: {_TLS_FLAGS} on the dkicf command line, "
+            f"certificates of your own: {TLS_FLAGS} on the dkicf command line, "
             "security=make_security(ca_file, cert, key) in Python."
         ) from None
     directory = (
@@ -1004,8 +760,6 @@ def _wait_options(options: dict) -> dict:
 
 
 def _joined(client) -> int:
-    from ._cluster import all_workers
-
     return len(all_workers(client))
 
 
@@ -1169,3 +923,55 @@ def start_cluster(kind: str = "local", **options):
         cluster.close()
         raise
     return client, cluster
+
+
+def local_cluster(
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    memory_limit: str | int | None = None,
+    *,
+    dashboard: bool = False,
+):
+    """Start a LocalCluster bound to 127.0.0.1 and return a client connected to it.
+
+    The workers are separate processes.  Without ``dashboard=True`` the
+    scheduler's HTTP port serves only ``/health``; with it, the dashboard is
+    on 127.0.0.1 only.  Close both when done:
+    ``cluster = client.cluster; client.close(); cluster.close()``.
+
+    Parameters
+    ----------
+    n_workers : int, optional
+        Worker processes; by default dask's setting ``dkicf.cluster.workers``
+        (2 unless configured), as for the ``dkicf`` command.
+    threads_per_worker : int, optional
+        By default ``dkicf.cluster.threads`` (1 unless configured).
+    memory_limit : str or int, optional
+        Per worker, e.g. ``"4GiB"``; ``"auto"`` shares the machine's memory
+        among the workers.  By default ``dkicf.cluster.memory-limit`` (``auto``
+        unless configured).
+    dashboard : bool
+        Serve the dask dashboard (on 127.0.0.1 only).
+
+    Returns
+    -------
+    distributed.Client
+
+    Examples
+    --------
+    >>> import dask
+    >>> import dkicf
+    >>> with dask.config.set({"dkicf.cluster.workers": 4}):
+    ...     client = dkicf.local_cluster()  # doctest: +SKIP
+    """
+    if n_workers is None:
+        n_workers = _config.get("cluster.workers")
+    if threads_per_worker is None:
+        threads_per_worker = _config.get("cluster.threads")
+    if memory_limit is None:
+        memory_limit = _config.get("cluster.memory-limit")
+    client, _ = start_cluster(
+        "local", workers=n_workers, threads=threads_per_worker, memory_limit=memory_limit,
+        dashboard=dashboard,
+    )
+    return client

@@ -232,7 +232,8 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
     def _gamma_for_check(self):
         # Validate gamma's type and sign without running the median heuristic.
         if self.gamma is None or (isinstance(self.gamma, str) and self.gamma == "median"):
-            return 1.0 if self.kernel in ("gaussian", "rbf", "laplacian") else None
+            cls = KERNELS.get(self.kernel.lower()) if isinstance(self.kernel, str) else None
+            return 1.0 if cls is not None and cls.median_width else None
         return self.gamma
 
     def _kernel_arg(self):

@@ -14,6 +14,12 @@ Every kernel here works on row blocks of the data and never forms the full
 Kernels are small, picklable objects whose parameters are plain JSON values
 (:meth:`Kernel.get_params`), so they can be shipped to dask workers and saved
 with a model.
+
+The registry :data:`KERNELS` maps every name and alias to its class.  A
+kernel class declares them, and the hyper-parameters it takes (names in
+:data:`HYPERPARAMETERS`), where it is defined; :func:`register_kernel` adds
+it, and :func:`make_kernel`, the estimator and the ``dkicf`` command read the
+registry from there.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from __future__ import annotations
 import abc
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.spatial.distance import cdist
 
 __all__ = [
     "Kernel",
@@ -34,22 +40,109 @@ __all__ = [
     "LinearKernel",
     "CallableKernel",
     "PairwiseKernel",
+    "HyperParameter",
+    "HYPERPARAMETERS",
     "KERNELS",
+    "kernel_names",
     "make_kernel",
     "median_gamma",
+    "register_kernel",
 ]
 
-_EPS = np.finfo(np.float64).eps
+
+@dataclass(frozen=True)
+class HyperParameter:
+    """A hyper-parameter of kernels: a keyword of their constructor and of :func:`make_kernel`.
+
+    Attributes
+    ----------
+    name : str
+        The keyword, and the ``dkicf`` command's flag ``--<name>``.
+    help : str
+        What the flag's help says.
+    default : object
+        The flag's default.
+    from_text : callable
+        Reads the flag's value from its text; raises ValueError with a
+        message that says what is expected.
+    """
+
+    name: str
+    help: str
+    default: Any
+    from_text: Callable[[str], Any]
+
+
+def _gamma_from_text(text: str):
+    """A positive number, a power such as the paper's ``2^-6``, or ``"median"``."""
+    if text == "median":
+        return "median"
+    if "^" in text:
+        base, _, exp = text.partition("^")
+        try:
+            return float(base) ** float(exp)
+        except ValueError:
+            pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"expected a positive number, a power like 2^-6, or 'median', got {text!r}"
+        ) from None
+    if not value > 0:
+        raise ValueError(f"gamma must be > 0, got {text}")
+    return value
+
+
+def _degree_from_text(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+#: Every hyper-parameter a registered kernel may take, by name.
+HYPERPARAMETERS: dict[str, HyperParameter] = {
+    hp.name: hp for hp in (
+        HyperParameter("gamma", "kernel width (number, 2^e, or 'median'; default: median)",
+                       "median", _gamma_from_text),
+        HyperParameter("degree", "degree of the polynomial kernel (default: 3)", 3,
+                       _degree_from_text),
+        HyperParameter("coef0", "constant term of the polynomial kernel (default: 1.0)", 1.0,
+                       float),
+    )
+}
 
 
 class Kernel(abc.ABC):
     """Base class of the kernels.
 
     Subclasses implement :meth:`block` and :meth:`diag`; :meth:`prepare` is
-    optional.  All arrays returned are float64.
+    optional.  All arrays returned are float64.  A subclass that
+    :func:`register_kernel` adds declares its :attr:`name`, :attr:`aliases`
+    and :attr:`hyperparameters`.
     """
 
+    #: The name that :func:`make_kernel` takes and :meth:`get_params` saves.
     name = "kernel"
+    #: Other names :func:`make_kernel` takes for the kernel.
+    aliases: tuple[str, ...] = ()
+    #: Names in :data:`HYPERPARAMETERS` that the constructor takes, as keywords.
+    hyperparameters: tuple[str, ...] = ()
+    #: Whether ``gamma="median"`` (:func:`median_gamma`) sets its width.
+    median_width = False
+
+    @classmethod
+    def _from_hyperparameters(cls, values: dict, *, X_sample=None, seed: int = 0) -> Kernel:
+        """The kernel for :func:`make_kernel`'s value of each of :attr:`hyperparameters`.
+
+        Kernels whose defaults depend on the data (``X_sample``) or that check
+        their values override it.
+        """
+        return cls(**values)
 
     def prepare(self, X: np.ndarray) -> np.ndarray | None:
         """Per-row values that :meth:`block` and :meth:`diag` reuse (or None)."""
@@ -106,7 +199,7 @@ class Kernel(abc.ABC):
 
     def get_params(self) -> dict[str, Any]:
         """Kernel name and parameters as JSON-compatible values."""
-        return {"kernel": self.name}
+        return {"kernel": self.name, **{key: getattr(self, key) for key in self.hyperparameters}}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items() if k != "kernel")
@@ -123,20 +216,39 @@ def _sqnorms(X: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", X, X, dtype=np.float64)
 
 
-class GaussianKernel(Kernel):
-    """Gaussian kernel ``exp(-gamma * ||x - y||^2)`` (the paper's sigma is ``gamma``)."""
+class _WidthKernel(Kernel):
+    """A kernel of one width ``gamma``, by default the median heuristic's."""
 
-    name = "gaussian"
-    _aux_is_sqnorms = True  # prepare() returns the squared row norms
+    hyperparameters = ("gamma",)
+    median_width = True
 
     def __init__(self, gamma: float):
         self.gamma = float(gamma)
 
-    def prepare(self, X):
-        return _sqnorms(X)
+    @classmethod
+    def _from_hyperparameters(cls, values, *, X_sample=None, seed=0):
+        gamma = values["gamma"]
+        if gamma is None or (isinstance(gamma, str) and gamma == "median"):
+            if X_sample is None:
+                raise ValueError("gamma='median' needs a sample of the data (X_sample).")
+            gamma = median_gamma(X_sample, cls.name, seed=seed)
+        elif isinstance(gamma, str):
+            raise ValueError(f"gamma must be a positive number or 'median', got {gamma!r}.")
+        return cls(_check_gamma(gamma))
 
     def diag(self, X, aux=None):
         return np.ones(X.shape[0], dtype=np.float64)
+
+
+class GaussianKernel(_WidthKernel):
+    """Gaussian kernel ``exp(-gamma * ||x - y||^2)`` (the paper's sigma is ``gamma``)."""
+
+    name = "gaussian"
+    aliases = ("rbf",)
+    _aux_is_sqnorms = True  # prepare() returns the squared row norms
+
+    def prepare(self, X):
+        return _sqnorms(X)
 
     def block(self, A, B, a_aux=None, b_aux=None):
         a_sq = _sqnorms(A) if a_aux is None else a_aux
@@ -179,41 +291,51 @@ class GaussianKernel(Kernel):
         # |a|^2 + |b|^2 - 2 a.b loses about 4 * eps * max|x|^2 absolutely.
         return 8.0 * self.gamma * max(max_sqnorm, 1.0) * max(n_features, 1) ** 0.5 + 4.0
 
-    def get_params(self):
-        return {"kernel": self.name, "gamma": self.gamma}
 
-
-class LaplacianKernel(Kernel):
+class LaplacianKernel(_WidthKernel):
     """Laplacian kernel ``exp(-gamma * ||x - y||_1)``."""
 
     name = "laplacian"
 
-    def __init__(self, gamma: float):
-        self.gamma = float(gamma)
-
-    def diag(self, X, aux=None):
-        return np.ones(X.shape[0], dtype=np.float64)
-
     def block(self, A, B, a_aux=None, b_aux=None):
+        # Imported here: scipy.spatial would double what the command line's
+        # parser, which reads the registry, takes to start.
+        from scipy.spatial.distance import cdist
+
         out = cdist(np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64), "cityblock")
         out *= -self.gamma
         np.exp(out, out=out)
         return out
-
-    def get_params(self):
-        return {"kernel": self.name, "gamma": self.gamma}
 
 
 class PolynomialKernel(Kernel):
     """Polynomial kernel ``(gamma * <x, y> + coef0) ** degree``."""
 
     name = "polynomial"
+    aliases = ("poly",)
+    hyperparameters = ("gamma", "degree", "coef0")
     _aux_is_sqnorms = True  # prepare() returns the squared row norms
 
     def __init__(self, gamma: float, degree: int = 3, coef0: float = 1.0):
         self.gamma = float(gamma)
         self.degree = int(degree)
         self.coef0 = float(coef0)
+
+    @classmethod
+    def _from_hyperparameters(cls, values, *, X_sample=None, seed=0):
+        gamma, degree = values["gamma"], values["degree"]
+        if gamma is None:
+            if X_sample is None:
+                raise ValueError("the polynomial kernel needs gamma or X_sample for 1/n_features.")
+            gamma = 1.0 / max(X_sample.shape[1], 1)
+        elif isinstance(gamma, str):
+            raise ValueError(
+                f"gamma={gamma!r} is only defined for the gaussian and laplacian kernels; "
+                "give the polynomial kernel a number."
+            )
+        if isinstance(degree, bool) or not isinstance(degree, numbers.Integral) or degree < 1:
+            raise ValueError(f"degree must be an integer >= 1, got {degree!r}.")
+        return cls(_check_gamma(gamma), degree=int(degree), coef0=float(values["coef0"]))
 
     def prepare(self, X):
         return _sqnorms(X)
@@ -240,14 +362,6 @@ class PolynomialKernel(Kernel):
 
     def roundoff(self, max_sqnorm, n_features):
         return 4.0 * self.degree * max(n_features, 1)
-
-    def get_params(self):
-        return {
-            "kernel": self.name,
-            "gamma": self.gamma,
-            "degree": self.degree,
-            "coef0": self.coef0,
-        }
 
 
 class LinearKernel(Kernel):
@@ -387,14 +501,64 @@ class PairwiseKernel(Kernel):
         return f"PairwiseKernel({self.name!r}, {self.params!r})"
 
 
-KERNELS: dict[str, type[Kernel]] = {
-    "gaussian": GaussianKernel,
-    "rbf": GaussianKernel,
-    "laplacian": LaplacianKernel,
-    "polynomial": PolynomialKernel,
-    "poly": PolynomialKernel,
-    "linear": LinearKernel,
-}
+#: Every registered kernel class, by its name and by each alias (lower case).
+KERNELS: dict[str, type[Kernel]] = {}
+
+
+def register_kernel(cls: type[Kernel]) -> type[Kernel]:
+    """Make a :class:`Kernel` subclass known by its name and aliases, and return it.
+
+    :func:`make_kernel`, :class:`dkicf.KernelKMeans`, :func:`dkicf.load` and
+    the ``dkicf`` command (``--kernel``, and a flag per hyper-parameter) then
+    take it.  Usable as a class decorator.
+
+    Raises
+    ------
+    ValueError
+        If a name is taken by another kernel, or a hyper-parameter is not one
+        of :data:`HYPERPARAMETERS`.
+
+    Examples
+    --------
+    >>> from dkicf.kernels import KERNELS, PolynomialKernel
+    >>> KERNELS["poly"] is PolynomialKernel
+    True
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Kernel)):
+        raise TypeError(f"register_kernel takes a subclass of Kernel, got {cls!r}.")
+    unknown = [key for key in cls.hyperparameters if key not in HYPERPARAMETERS]
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__} declares hyper-parameters {unknown}; kernels take "
+            f"{', '.join(HYPERPARAMETERS)}: rename them, or pass the kernel as an instance."
+        )
+    names = [name.lower() for name in (cls.name, *cls.aliases)]
+    for name in names:
+        if KERNELS.get(name, cls) is not cls:
+            raise ValueError(
+                f"the kernel name {name!r} of {cls.__name__} is taken by "
+                f"{KERNELS[name].__name__}; give the kernel another name or alias."
+            )
+    for name in names:
+        KERNELS[name] = cls
+    return cls
+
+
+for _cls in (GaussianKernel, LaplacianKernel, PolynomialKernel, LinearKernel):
+    register_kernel(_cls)
+del _cls
+
+
+def kernel_names() -> list[str]:
+    """Every name and alias :func:`make_kernel` takes for a registered kernel.
+
+    Examples
+    --------
+    >>> from dkicf.kernels import kernel_names
+    >>> kernel_names()
+    ['gaussian', 'rbf', 'laplacian', 'polynomial', 'poly', 'linear']
+    """
+    return list(KERNELS)
 
 
 def _check_gamma(gamma, name="gamma"):
@@ -494,9 +658,11 @@ def make_kernel(
     Parameters
     ----------
     kernel : str, callable or Kernel
-        One of ``"gaussian"`` (alias ``"rbf"``), ``"laplacian"``,
-        ``"polynomial"`` (alias ``"poly"``), ``"linear"``; a callable
-        ``f(A, B)`` returning the kernel block; or a :class:`Kernel`.
+        A name or alias in :data:`KERNELS` (case-insensitive): ``"gaussian"``
+        (alias ``"rbf"``), ``"laplacian"``, ``"polynomial"`` (alias
+        ``"poly"``), ``"linear"``, or one that :func:`register_kernel` added;
+        a callable ``f(A, B)`` returning the kernel block; or a
+        :class:`Kernel`.
     gamma : float, "median" or None
         Width of the Gaussian/Laplacian kernels (default ``"median"``) and
         scale of the polynomial kernel (default ``1 / n_features``).
@@ -547,28 +713,9 @@ def make_kernel(
             f"sklearn.metrics.pairwise that dkicf does not define; the {cls.name} kernel "
             "takes gamma, degree and coef0."
         )
-    if cls is LinearKernel:
-        return LinearKernel()
-    if cls is PolynomialKernel:
-        if gamma is None:
-            if X_sample is None:
-                raise ValueError("the polynomial kernel needs gamma or X_sample for 1/n_features.")
-            gamma = 1.0 / max(X_sample.shape[1], 1)
-        elif isinstance(gamma, str):
-            raise ValueError(
-                f"gamma={gamma!r} is only defined for the gaussian and laplacian kernels; "
-                "give the polynomial kernel a number."
-            )
-        if isinstance(degree, bool) or not isinstance(degree, numbers.Integral) or degree < 1:
-            raise ValueError(f"degree must be an integer >= 1, got {degree!r}.")
-        return PolynomialKernel(_check_gamma(gamma), degree=int(degree), coef0=float(coef0))
-    if gamma is None or (isinstance(gamma, str) and gamma == "median"):
-        if X_sample is None:
-            raise ValueError("gamma='median' needs a sample of the data (X_sample).")
-        gamma = median_gamma(X_sample, cls.name, seed=seed)
-    elif isinstance(gamma, str):
-        raise ValueError(f"gamma must be a positive number or 'median', got {gamma!r}.")
-    return cls(_check_gamma(gamma))
+    given = {"gamma": gamma, "degree": degree, "coef0": coef0}
+    return cls._from_hyperparameters({key: given[key] for key in cls.hyperparameters},
+                                     X_sample=X_sample, seed=seed)
 
 
 def _pairwise_kernel(name: str, gamma, degree, coef0, kernel_params) -> PairwiseKernel:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import io
+from .estimator import load
+
 __all__ = [
     "plot_trace_error",
     "plot_cluster_sizes",
@@ -240,9 +243,6 @@ def plot_model(model_path, out_dir, *, data=None, storage_options=None) -> list[
     -------
     list of Path
     """
-    from . import io
-    from .estimator import load
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = load(model_path, storage_options=storage_options)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,7 +224,7 @@ def test_generate_writes_chunk_by_chunk(tmp_path):
 
 
 @pytest.mark.slow
-def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
+def test_out_of_core_fit_stays_within_worker_memory(tmp_path, monkeypatch):
     """X is twice the worker's memory limit; the fit completes and the worker stays below it."""
     import dask
     import distributed  # noqa: F401  (its configuration must be loaded before we set it)
@@ -236,6 +237,10 @@ def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
                 chunk_rows=16384, dtype="float32", random_state=0)
     data_bytes = n * d * 4
     limit = 256 * 2**20
+    # The workers, spawned with this sys.path, import the sampler by name too.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _rss import rss_sampler_peak, start_rss_sampler
+
     # No pausing or spilling: if memory grew with the data the worker would be
     # killed (and this test fail) instead of the fit hanging or spilling to disk.
     with dask.config.set({"distributed.worker.memory.pause": False,
@@ -243,8 +248,6 @@ def test_out_of_core_fit_stays_within_worker_memory(tmp_path):
                           "distributed.worker.memory.target": False}):
         client = local_cluster(1, 1, memory_limit=limit)
     try:
-        from dkicf._cluster import rss_sampler_peak, start_rss_sampler
-
         client.run(start_rss_sampler)
         report = fit_store(
             str(tmp_path / "big.zarr"), str(tmp_path / "out.zarr"),
@@ -693,3 +696,46 @@ def test_convert_columns_flags(tmp_path, capsys):
                                   [[1, 2], [3, 4]])
     np.testing.assert_array_equal(io.open_dataset(str(tmp_path / "u.zarr"))[0].compute(),
                                   [[2, 1], [4, 3]])
+
+
+def test_fit_takes_every_registered_kernel_name_and_its_hyperparameters():
+    """--kernel and the hyper-parameter flags come from dkicf.kernels' registry."""
+    from dkicf.cli import build_parser
+    from dkicf.kernels import HYPERPARAMETERS, KERNELS, Kernel, kernel_names, register_kernel
+
+    base = ["fit", "d.zarr", "--clusters", "2", "--out", "o.zarr"]
+    assert {"gaussian", "rbf", "laplacian", "polynomial", "poly", "linear"} <= set(kernel_names())
+    for name in kernel_names():
+        args = build_parser(["fit"]).parse_args(base + ["--kernel", name])
+        assert args.kernel == name
+        for key in KERNELS[name].hyperparameters:
+            assert getattr(args, key) == HYPERPARAMETERS[key].default
+    args = build_parser(["fit"]).parse_args(base + ["--kernel", "poly", "--gamma", "2^-2",
+                                                    "--degree", "2", "--coef0", "0.5"])
+    assert (args.gamma, args.degree, args.coef0) == (0.25, 2, 0.5)
+
+    class TestOnlyKernel(Kernel):
+        name = "test-only"
+        aliases = ("test-only-alias",)
+        hyperparameters = ("gamma",)
+
+        def __init__(self, gamma):
+            self.gamma = float(gamma)
+
+        def diag(self, X, aux=None):
+            return np.ones(len(X))
+
+        def block(self, A, B, a_aux=None, b_aux=None):
+            return np.exp(-self.gamma * np.abs(A[:, None, 0] - B[None, :, 0]))
+
+    saved = dict(KERNELS)
+    try:
+        register_kernel(TestOnlyKernel)
+        for name in ("test-only", "test-only-alias"):
+            args = build_parser(["fit"]).parse_args(base + ["--kernel", name, "--gamma", "3"])
+            assert (args.kernel, args.gamma) == (name, 3.0)
+    finally:
+        KERNELS.clear()
+        KERNELS.update(saved)
+    with pytest.raises(SystemExit):
+        build_parser(["fit"]).parse_args(base + ["--kernel", "test-only"])

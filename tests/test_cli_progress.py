@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from dkicf.cli import _Progress
+from dkicf._cli_commands import _Progress
 from dkicf.kmeans import kmeans
 
 
@@ -41,7 +41,7 @@ def test_quiet_progress_prints_nothing(capsys):
 def test_rows_bar_rate_counts_from_its_creation(capsys):
     import time
 
-    from dkicf.cli import _rows_bar
+    from dkicf._cli_commands import _rows_bar
 
     update = _rows_bar("write")
     time.sleep(0.25)

@@ -1747,3 +1747,32 @@ def _tiny_store(path):
 
     X = np.random.default_rng(0).normal(size=(60, 2))
     io.write_group(str(path), {"X": X}, {})
+
+
+def test_local_cluster_takes_its_defaults_from_dask_config(monkeypatch):
+    """Like the dkicf command: dkicf.cluster.* settings, unless given as arguments."""
+    import dask
+
+    import dkicf
+    import dkicf.deploy
+
+    seen = []
+
+    def start_cluster(kind, **options):
+        seen.append(dict(options, kind=kind))
+        return "client", "cluster"
+
+    monkeypatch.setattr(dkicf.deploy, "start_cluster", start_cluster)
+    with dask.config.set({"dkicf.cluster.workers": 5, "dkicf.cluster.threads": 3,
+                          "dkicf.cluster.memory-limit": "3GiB"}):
+        assert dkicf.local_cluster() == "client"
+        dkicf.local_cluster(1, 2, memory_limit="1GiB", dashboard=True)
+    dkicf.local_cluster()
+    assert seen == [
+        {"kind": "local", "workers": 5, "threads": 3, "memory_limit": "3GiB",
+         "dashboard": False},
+        {"kind": "local", "workers": 1, "threads": 2, "memory_limit": "1GiB",
+         "dashboard": True},
+        {"kind": "local", "workers": 2, "threads": 1, "memory_limit": "auto",
+         "dashboard": False},
+    ]

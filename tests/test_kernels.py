@@ -117,3 +117,89 @@ def test_gamma_of_wrong_type_is_refused():
         make_kernel("gaussian", gamma=[1.0])
     with pytest.raises(ValueError, match="gamma must be a positive number or 'median'"):
         make_kernel("gaussian", gamma="mean")
+
+
+@pytest.fixture
+def cauchy():
+    """A Cauchy kernel 1 / (1 + gamma |x - y|^2), registered for the test only."""
+    from dkicf.kernels import KERNELS, Kernel, register_kernel
+
+    class CauchyKernel(Kernel):
+        name = "cauchy"
+        aliases = ("cauchy-test",)
+        hyperparameters = ("gamma",)
+
+        def __init__(self, gamma):
+            self.gamma = float(gamma)
+
+        def diag(self, X, aux=None):
+            return np.ones(X.shape[0])
+
+        def block(self, A, B, a_aux=None, b_aux=None):
+            d2 = ((A[:, None, :] - B[None, :, :]) ** 2).sum(-1)
+            return 1.0 / (1.0 + self.gamma * d2)
+
+    saved = dict(KERNELS)
+    try:
+        yield register_kernel(CauchyKernel)
+    finally:
+        KERNELS.clear()
+        KERNELS.update(saved)
+
+
+def test_every_registered_name_and_alias_makes_its_kernel(rng):
+    from dkicf.kernels import KERNELS, kernel_names
+
+    X = rng.normal(size=(20, 3))
+    assert {"gaussian", "rbf", "laplacian", "polynomial", "poly", "linear"} <= set(kernel_names())
+    for name in kernel_names():
+        kernel = make_kernel(name, gamma=0.5, X_sample=X)
+        assert type(kernel) is KERNELS[name]
+        params = kernel.get_params()
+        assert params == {"kernel": type(kernel).name,
+                          **{key: getattr(kernel, key) for key in kernel.hyperparameters}}
+        # What a saved model holds makes the same kernel again.
+        assert make_kernel(params.pop("kernel"), **params) == kernel
+    assert make_kernel("poly", gamma=0.5, degree=2).get_params() == {
+        "kernel": "polynomial", "gamma": 0.5, "degree": 2, "coef0": 1.0}
+
+
+def test_a_kernel_registered_elsewhere_is_made_by_name_and_fits(cauchy, rng, tmp_path):
+    from dkicf import KernelKMeans, load
+    from dkicf.kernels import kernel_names
+
+    assert {"cauchy", "cauchy-test"} <= set(kernel_names())
+    X = rng.normal(size=(12, 2))
+    kernel = make_kernel("Cauchy-Test", gamma=2.0)
+    assert type(kernel) is cauchy and kernel.get_params() == {"kernel": "cauchy", "gamma": 2.0}
+    d2 = ((X[:, None, :] - X[None, :, :]) ** 2).sum(-1)
+    np.testing.assert_allclose(kernel.block(X, X), 1.0 / (1.0 + 2.0 * d2))
+    model = KernelKMeans(n_clusters=2, kernel="cauchy", gamma=2.0, rank=5,
+                         random_state=0).fit(X)
+    assert model.kernel_ == kernel
+    model.save(tmp_path / "m.zarr")
+    assert load(tmp_path / "m.zarr").kernel_ == kernel
+
+
+def test_register_kernel_refuses_a_taken_name_and_an_unknown_hyperparameter(cauchy):
+    from dkicf.kernels import KERNELS, GaussianKernel, Kernel, register_kernel
+
+    register_kernel(cauchy)  # again: the same class keeps its names
+    assert KERNELS["cauchy"] is cauchy
+
+    class Clash(cauchy):
+        name = "clash"
+        aliases = ("rbf",)
+
+    with pytest.raises(ValueError, match="'rbf' of Clash is taken by GaussianKernel"):
+        register_kernel(Clash)
+    assert KERNELS["rbf"] is GaussianKernel and "clash" not in KERNELS
+
+    class Odd(Kernel):
+        name = "odd"
+        hyperparameters = ("alpha",)
+
+    with pytest.raises(ValueError, match=r"hyper-parameters \['alpha'\]; kernels take gamma, "
+                                         "degree, coef0"):
+        register_kernel(Odd)
+    assert "odd" not in KERNELS

@@ -15,7 +15,7 @@ UNEVEN = (113, 250, 7, 330)  # 700 rows in 4 uneven chunks
 
 @pytest.fixture(scope="module")
 def km_client():
-    from dkicf._cluster import local_cluster
+    from dkicf.deploy import local_cluster
 
     client = local_cluster(2, 1)
     yield client

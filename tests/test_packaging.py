@@ -74,6 +74,26 @@ def test_the_dkicf_section_of_dask_config_is_shipped_and_overridable(tmp_path):
         assert json.loads(proc.stdout) == expected, extra
 
 
+def test_dkicf_settings_outlive_a_dask_config_set_entered_before_their_first_read():
+    """dask.config.set({"dkicf.x": ...}) removes the whole dkicf section on exit when it
+    was not there yet: the defaults (and DKICF_ variables) read inside must come back."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import dask, json; from dkicf._config import get\n"
+            "with dask.config.set({'dkicf.cluster.workers': 5}):\n"
+            "    inside = get('cluster.workers')\n"
+            "print(json.dumps([inside, get('cluster.workers'), get('cluster.threads')]))")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DKICF_", "DASK_DKICF__", "DASK_CONFIG"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "DKICF_CLUSTER__THREADS": "3"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [5, 2, 3]
+
+
 def test_the_cli_takes_its_cluster_and_fit_defaults_from_dask_config(tmp_path, monkeypatch,
                                                                      capsys):
     import dask
