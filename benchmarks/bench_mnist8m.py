@@ -84,6 +84,19 @@ def _printer(what: str):
     return progress
 
 
+def _fit_printer():
+    """Prints the fit's progress events to the log, at most every 30 s."""
+    last = [0.0]
+
+    def progress(event):
+        now = time.monotonic()
+        if now - last[0] > 30:
+            last[0] = now
+            print(f"{time.strftime('%H:%M:%S')} {event}", flush=True)
+
+    return progress
+
+
 def _fit(args, data: Path, rank: int, x_bytes: int) -> dict:
     from dkicf import io, local_cluster, metrics
     from dkicf._cluster import rss_sampler_peak, start_rss_sampler
@@ -104,6 +117,7 @@ def _fit(args, data: Path, rank: int, x_bytes: int) -> dict:
             str(data), str(out),
             dict(n_clusters=10, gamma=args.gamma, rank=rank, random_state=0),
             client=client, overwrite=True, persist="no", save_p=False,
+            progress=_fit_printer(),
         )
         wall = time.perf_counter() - t0
         read = sum(client.run(_rchar).values()) - r0
@@ -161,8 +175,9 @@ def main(argv=None) -> None:
           + ("cached" if t_gen is None else f"{t_gen:.0f} s"))
     print(f"{'system':52} {'setting':14} {'NMI':>15} {'ACC':>6} {'seconds':>9}")
     for r in rows:
-        print(f"{'dkicf, 1 machine, 2 workers x ' + args.memory_limit:52} {'s=' + str(r['rank']):14} "
-              f"{r['nmi']:15.4f} {r['acc']:6.4f} {r['fit_s']:9.1f}")
+        system = f"dkicf, 1 machine, {args.workers} workers x {args.memory_limit}"
+        print(f"{system:52} {'s=' + str(r['rank']):14} {r['nmi']:15.4f} {r['acc']:6.4f} "
+              f"{r['fit_s']:9.1f}")
     for a in SPARK_ANCHOR:
         print(f"{a['system']:52} {a['setting']:14} {a['nmi']:>15} {'':>6} {a['seconds']:9.1f}")
     for r in rows:
