@@ -303,7 +303,7 @@ def deform_rows(
     # Whole aligned batches, always of _BATCH rows: the matrix products then see
     # the same operands whatever the range asked for, so a row's pixels do not
     # depend on the chunking (BLAS may round differently for other shapes).
-    for first in range(start - start % _BATCH, stop, _BATCH):
+    for first in range(start - start % _BATCH, stop if stop > start else start, _BATCH):
         lo, hi = max(start, first), min(stop, first + _BATCH)
         u = _uniforms(seed, 1, first, first + _BATCH, _N_DEFORM)
         rows, cols = _source_coordinates(u, alpha, sigma)
