@@ -259,11 +259,25 @@ _KILL_PARAMS = {"n_clusters": 10, "gamma": GAMMA, "rank": 24, "n_init": 2, "rand
                 "pivoting": "greedy", "max_iter": 30}
 
 
+@pytest.fixture
+def own_client():
+    """A cluster of this test's own: a killed driver leaves its event topics on the
+    scheduler, where they would be seen by later tests of the session's cluster."""
+    from dkicf import local_cluster
+
+    c = local_cluster(2, 1, memory_limit="2GiB")
+    yield c
+    cluster = c.cluster
+    c.close()
+    cluster.close()
+
+
 def test_a_killed_fit_of_generated_uint8_digits_resumes_to_the_same_result(
-    tmp_path, store, client
+    tmp_path, store, own_client
 ):
     import shutil
 
+    client = own_client
     shutil.copytree(store, tmp_path / "d.zarr")
     killed = _fit_child(client.scheduler.address, tmp_path, kill_at=13)
     _, err = killed.communicate(timeout=300)
