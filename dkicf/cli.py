@@ -315,7 +315,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="dtype of X (default: float64; mnist8m writes uint8)")
     p.add_argument("--chunk-rows", type=_positive_int,
                    help="rows per chunk (default: dask's auto chunking, chunks of the "
-                        "array.chunk-size setting, 128 MiB unless configured)")
+                        "array.chunk-size setting, 128 MiB unless configured; mnist8m: 16384)")
     p.add_argument("--source", metavar="PATH",
                    help="mnist8m: the base images, an .npz with X (n x 784, values 0..255 or "
                         "0..1) and y (digits 0..9) (default: MNIST's training set, "
