@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 from dask.utils import parse_bytes
 
-from . import bench, deploy, io
+from . import bench, deploy, io, mnist8m
 from ._cli_parser import UsageError, kernel_hyperparameters
 from ._config import get
 from .estimator import KernelKMeans, load
@@ -317,6 +317,10 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    if args.kind == "mnist8m":
+        return _cmd_generate_digits(args)
+    if args.source is not None:
+        raise UsageError(f"--source gives the base images of mnist8m; {args.kind} has none.")
     params = {}
     if args.kind in ("blobs", "spheres"):
         if args.features:
@@ -337,6 +341,23 @@ def _cmd_generate(args) -> int:
         random_state=args.seed, overwrite=args.overwrite, storage_options=storage_options,
         progress=None if args.quiet else _rows_bar("generate"),
         **params,
+    )
+    print(f"wrote {args.dst}: {_describe(info)}")
+    return 0
+
+
+def _cmd_generate_digits(args) -> int:
+    if args.features not in (None, 784) or args.classes not in (None, 10):
+        raise UsageError("mnist8m has 784 features and 10 classes; --features and --classes "
+                         "apply to blobs and spheres.")
+    storage_options = _storage_options(args.storage_option, args.storage_options_file,
+                                       args.dst)
+    _check_outputs(args.dst, {}, overwrite=args.overwrite, writes="dataset",
+                   storage_options=storage_options)
+    info = mnist8m.generate_digits(
+        args.dst, args.n, source=args.source, chunk_rows=args.chunk_rows,
+        random_state=args.seed, overwrite=args.overwrite, storage_options=storage_options,
+        progress=None if args.quiet else _rows_bar("generate"),
     )
     print(f"wrote {args.dst}: {_describe(info)}")
     return 0

@@ -202,18 +202,25 @@ def _add_convert(sub) -> None:
 def _add_generate(sub) -> None:
     """The ``dkicf generate`` command's parser."""
     p = sub.add_parser("generate", help="write a synthetic dataset to Zarr, chunk by chunk")
-    p.add_argument("kind", choices=["ring", "parabolic", "zigzag", "blobs", "spheres"],
-                   help="the paper's 2-D sets (ring, parabolic, zigzag) or Gaussian blobs / "
-                        "concentric spheres in any dimension")
+    p.add_argument("kind", choices=["ring", "parabolic", "zigzag", "blobs", "spheres", "mnist8m"],
+                   help="the paper's 2-D sets (ring, parabolic, zigzag), Gaussian blobs / "
+                        "concentric spheres in any dimension, or mnist8m: MNIST-like digits, "
+                        "random elastic and affine deformations of MNIST's training images "
+                        "(uint8 grey values 0..255; on them the paper's gamma 2^-6 for "
+                        "pixels/255 is 2^-6/255^2)")
     p.add_argument("dst", help="the Zarr group to write (path or fsspec URL)")
     p.add_argument("--n", type=_positive_int, required=True, help="number of points")
     p.add_argument("--features", type=_positive_int, help="dimensions (blobs, spheres)")
     p.add_argument("--classes", type=_positive_int, help="clusters (blobs, spheres)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64",
-                   help="dtype of X (default: float64)")
+                   help="dtype of X (default: float64; mnist8m writes uint8)")
     p.add_argument("--chunk-rows", type=_positive_int,
                    help="rows per chunk (default: dask's auto chunking, chunks of the "
-                        "array.chunk-size setting, 128 MiB unless configured)")
+                        "array.chunk-size setting, 128 MiB unless configured; mnist8m: 16384)")
+    p.add_argument("--source", metavar="PATH",
+                   help="mnist8m: the base images, an .npz with X (n x 784, values 0..255 or "
+                        "0..1) and y (digits 0..9) (default: MNIST's training set, "
+                        "dkicf.datasets)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing Zarr store at DST (only when the new one is complete)")
