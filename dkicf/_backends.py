@@ -381,7 +381,6 @@ class DaskBackend:
         # One small graph per row chunk, for the per-pass reads.
         self._x_lazy = LazyChunk.row_chunks(X)
         self.persist = persist
-        self._x_step = None
         self._x_futs = None
         # Where each chunk's state starts: where its rows of X are held, or
         # else consecutive chunks on the same worker, rows shared in
@@ -845,7 +844,6 @@ class DaskBackend:
         )
 
     def close(self):
-        self._x_step = None
         # The inbox's stall callback is a method of this backend: without it the
         # two would form a cycle, and the fit's futures (X's chunks) would outlive
         # the fit until the garbage collector ran.
