@@ -36,6 +36,8 @@ import os
 import time
 from pathlib import Path
 
+from _rss import rss_sampler_peak, start_rss_sampler  # benchmarks/_rss.py, beside this script
+
 SPARK_ANCHOR = [
     {"system": "Spark, 32 nodes / 1,024 cores (Wang et al. 2019)", "setting": "c=400, s=20",
      "nmi": "0.400 +- 0.009", "seconds": 867.9},
@@ -102,7 +104,6 @@ def _fit_printer():
 
 def _fit(args, data: Path, rank: int, x_bytes: int) -> dict:
     from dkicf import io, local_cluster, metrics
-    from dkicf._cluster import rss_sampler_peak, start_rss_sampler
     from dkicf.pipeline import fit_store
 
     client = local_cluster(args.workers, 1, memory_limit=args.memory_limit)
