@@ -6,7 +6,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["is_dask_array", "check_array_2d", "check_dtype"]
+__all__ = ["is_dask_array", "check_array_2d", "check_dtype", "check_seed"]
 
 
 def is_dask_array(X) -> bool:
@@ -85,3 +85,16 @@ def check_positive_int(value, name: str, *, low: int = 1) -> int:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}.")
     return int(value)
+
+
+def check_seed(random_state) -> int:
+    """A seed of generated data: a non-negative integer, from which every row or chunk
+    derives its random numbers (so they do not depend on the chunking)."""
+    if isinstance(random_state, bool) or not isinstance(random_state, numbers.Integral):
+        raise TypeError(
+            "random_state must be a non-negative integer (every row derives its numbers "
+            f"from it), got {random_state!r} of type {type(random_state).__name__}."
+        )
+    if random_state < 0:
+        raise ValueError(f"random_state must be >= 0, got {random_state}.")
+    return int(random_state)

@@ -46,14 +46,12 @@ Examples
 
 from __future__ import annotations
 
-import numbers
-
 import dask
 import dask.array as da
 import numpy as np
 from scipy.ndimage import gaussian_filter1d
 
-from ._validation import check_dtype
+from ._validation import check_dtype, check_seed
 
 __all__ = [
     "ALPHA",
@@ -96,16 +94,6 @@ _BATCH = CHUNK_ROWS // 8
 # neighbour of a clipped coordinate lies inside and outside pixels read zero.
 _PAD_SIDE = IMAGE_SIDE + 3
 
-
-def _check_seed(random_state) -> int:
-    if isinstance(random_state, bool) or not isinstance(random_state, numbers.Integral):
-        raise TypeError(
-            "random_state must be a non-negative integer (every row derives its numbers "
-            f"from it), got {random_state!r} of type {type(random_state).__name__}."
-        )
-    if random_state < 0:
-        raise ValueError(f"random_state must be >= 0, got {random_state}.")
-    return int(random_state)
 
 
 def check_source(X, y) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +193,7 @@ def digit_labels(labels: np.ndarray, start: int, stop: int, *, random_state: int
     -------
     y : ndarray of shape (stop - start,), int64
     """
-    seed = _check_seed(random_state)
+    seed = check_seed(random_state)
     return np.asarray(labels, dtype=np.int64)[_base_index(seed, start, stop, len(labels))]
 
 
@@ -295,7 +283,7 @@ def deform_rows(
     y : ndarray of shape (stop - start,), int64
         The digit of each row (that of its base image).
     """
-    seed = _check_seed(random_state)
+    seed = check_seed(random_state)
     if not 0 <= start <= stop:
         raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}.")
     index = _base_index(seed, start, stop, images.shape[0])
@@ -345,7 +333,7 @@ def digits_dask(images: np.ndarray, labels: np.ndarray, n: int, *, chunk_rows: i
         Their values are those of :func:`deform_rows` over all rows, whatever
         ``chunk_rows`` and the scheduler.
     """
-    seed = _check_seed(random_state)
+    seed = check_seed(random_state)
     # The base images go into the graph once, not once per task.
     images_d = dask.delayed(images, pure=True)
     labels_d = dask.delayed(labels, pure=True)

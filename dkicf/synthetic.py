@@ -69,6 +69,8 @@ from typing import Any
 
 import numpy as np
 
+from ._validation import check_seed
+
 __all__ = [
     "KINDS",
     "generate_rows",
@@ -157,18 +159,8 @@ def _resolve_seed(random_state) -> int:
         return int(random_state.integers(2**63))
     if isinstance(random_state, np.random.RandomState):
         return int(random_state.randint(2**31 - 1))
-    return _check_seed(random_state)
+    return check_seed(random_state)
 
-
-def _check_seed(random_state) -> int:
-    if isinstance(random_state, bool) or not isinstance(random_state, numbers.Integral):
-        raise TypeError(
-            "random_state must be a non-negative integer here (every chunk derives its "
-            f"numbers from it), got {random_state!r} of type {type(random_state).__name__}."
-        )
-    if random_state < 0:
-        raise ValueError(f"random_state must be >= 0, got {random_state}.")
-    return int(random_state)
 
 
 # --------------------------------------------------------------------------
@@ -464,7 +456,7 @@ def generate_rows(
     ((6, 2), [0, 1, 2, 0, 1, 2])
     """
     spec, resolved = _resolve(kind, params)
-    seed = _check_seed(random_state)
+    seed = check_seed(random_state)
     n_total = _check_int(n_total, "n_total", 0)
     start = _check_int(start, "start", 0)
     stop = _check_int(stop, "stop", 0)

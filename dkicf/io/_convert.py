@@ -13,6 +13,7 @@ import psutil
 import zarr
 
 from .. import synthetic
+from .._validation import check_seed
 from ._layout import _dims, _layout_attrs
 from ._sources import _npy_source, _npz_source, _parquet_source, _Source
 from ._staging import _jsonable, _staged, check_writable
@@ -412,7 +413,7 @@ def generate(
     """
     dst = os.fspath(dst)
     described = synthetic.kind_info(kind, **params)
-    seed = synthetic._check_seed(random_state)
+    seed = check_seed(random_state)
     n = _positive_int(n, "n")
     target = _target_dtype(dtype)
     check_writable(dst, overwrite=overwrite, storage_options=storage_options)
