@@ -3,7 +3,10 @@
 Setup (as in the scale-out issue): 10 Gaussian blobs in 16-D, float64, the
 Gaussian kernel at gamma 0.02, the default block-greedy rule, rank ``s``.
 For every worker count W (1, 2, 4, ... up to the cores present, or
-``--workers``) a LocalCluster of W worker processes x 1 thread is started,
+``--workers``) a local cluster of W worker processes x 1 thread is started
+(:func:`dkicf.local_cluster`: for W > 4 its scheduler and nannies run in
+processes of their own; ``--shared-too`` also runs the largest W as a plain
+LocalCluster, with them in the driver's process),
 X is generated on the workers in ``--chunks-per-worker`` row chunks per
 worker and persisted there, then timed:
 
@@ -314,6 +317,32 @@ def print_breakdown(bd: dict, label: str) -> dict:
             "moved": tr["X"][0] + tr["state"][0]}
 
 
+@contextlib.contextmanager
+def _profiled():
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield prof
+    finally:
+        prof.disable()
+
+
+def _print_profile(prof, label: str, top: int = 25) -> None:
+    """The driver thread's own time by function (``--profile``): where (c) goes."""
+    import io
+    import pstats
+
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
+        say(f"  driver profile, {label}, by {order}:")
+        for line in buf.getvalue().splitlines():
+            if line.strip() and not line.startswith(("   Ordered", "   List")):
+                say("    " + line.rstrip()[:150])
+
+
 # ------------------------------------------------------------------ runs
 
 
@@ -333,12 +362,13 @@ def run_numpy(X, s: int, gamma: float, k: int, with_kmeans: bool) -> dict:
 
 
 def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_worker: int,
-             with_kmeans: bool, want_breakdown: bool) -> dict:
+             with_kmeans: bool, want_breakdown: bool, profile: bool = False,
+             separate="auto") -> dict:
     from distributed import get_task_stream
 
     from dkicf import incomplete_cholesky, kmeans, local_cluster
 
-    client = local_cluster(W, 1)
+    client = local_cluster(W, 1, separate_processes=separate)
     try:
         X = dask_data(client, n, d, W * chunks_per_worker)
         clock = DriverClock()
@@ -346,11 +376,14 @@ def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_wo
             ts = stack.enter_context(get_task_stream(client)) if want_breakdown else None
             if want_breakdown:
                 stack.enter_context(clock)
+            prof = stack.enter_context(_profiled()) if profile else None
             t_start = time.time()
             t0 = time.perf_counter()
             res = incomplete_cholesky(X, gamma=gamma, max_rank=s, tol=0.0, client=client)
             t_icf = time.perf_counter() - t0
             t_end = time.time()
+        if prof is not None:
+            _print_profile(prof, f"W = {W}")
         out = {"icf": t_icf, "pivots": res.pivots, "passes": res.n_passes}
         if want_breakdown:
             incoming = [e for log in client.run(_incoming_log).values() for e in log]
@@ -389,7 +422,7 @@ def ari(labels, y) -> float:
 
 def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per_worker: int,
             with_kmeans: bool, with_numpy: bool, with_sklearn: bool, want_breakdown: bool,
-            k: int = 10) -> dict:
+            k: int = 10, profile: bool = False, shared_too: bool = False) -> dict:
     say(f"\n== n = {n:,}, d = {d}, s = {s}, gamma = {gamma}, k = {k}; "
         f"{cores()} cores; dask: W workers x 1 thread, {chunks_per_worker} chunk(s) per worker")
     X, y = numpy_data(n, d) if (with_numpy or with_sklearn or with_kmeans) else (None, None)
@@ -399,9 +432,16 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
     totals = {}
     for W in workers:
         rows[f"W={W}"] = r = run_dask(n, d, W, s, gamma, k, chunks_per_worker, with_kmeans,
-                                      want_breakdown)
+                                      want_breakdown, profile and W == max(workers))
         if want_breakdown:
             totals[W] = print_breakdown(r["breakdown"], f"W = {W}")
+    if shared_too and max(workers) > 4:
+        # The largest W again, scheduler and nannies in the driver's process (a LocalCluster).
+        W = max(workers)
+        rows[f"W={W} LocalCluster"] = r = run_dask(n, d, W, s, gamma, k, chunks_per_worker,
+                                                   with_kmeans, want_breakdown, False, False)
+        if want_breakdown:
+            print_breakdown(r["breakdown"], f"W = {W}, scheduler and nannies in the driver")
     ref = rows.get("numpy", next(iter(rows.values())))["pivots"]
     same = {name: bool(np.array_equal(r["pivots"], ref)) for name, r in rows.items()}
     if with_sklearn:
@@ -411,7 +451,7 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
         f"{'passes':>6} {'ARI':>5} pivots")
     for name, r in rows.items():
         km = r.get("kmeans", float("nan"))
-        W = int(name[2:]) if name.startswith("W=") else None
+        W = int(name[2:].split()[0]) if name.startswith("W=") else None
         speed = base / r["icf"] if base and W else float("nan")
         eff = speed * workers[0] / W if W else float("nan")
         a = ari(r["labels"], y) if "labels" in r else float("nan")
@@ -544,6 +584,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-numpy", action="store_true")
     p.add_argument("--no-sklearn", action="store_true")
     p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--shared-too", action="store_true",
+                   help="run the largest W also as a LocalCluster (scheduler and nannies in "
+                        "the driver's process), beside the default of processes of their own")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the driver thread during the largest W's factorization")
     p.add_argument("--targets", action="store_true", help="the issue's 2-core targets")
     p.add_argument("--near-identity", action="store_true",
                    help="only block greedy against greedy on a near-identity kernel")
@@ -576,7 +621,7 @@ def main(argv=None) -> None:
             ws = args.workers or default_w
             scaling(2_000_000, args.s, args.d, args.gamma, ws, args.chunks_per_worker,
                     not args.no_kmeans, not args.no_numpy, not args.no_sklearn,
-                    not args.no_breakdown)
+                    not args.no_breakdown, shared_too=args.shared_too)
             scaling(8_000_000, args.s, args.d, args.gamma, [max(ws)], args.chunks_per_worker,
                     not args.no_kmeans, not args.no_numpy, not args.no_sklearn,
                     not args.no_breakdown)
@@ -584,7 +629,8 @@ def main(argv=None) -> None:
             for n in args.n:
                 scaling(int(n), args.s, args.d, args.gamma, args.workers or default_w,
                         args.chunks_per_worker, not args.no_kmeans, not args.no_numpy,
-                        not args.no_sklearn, not args.no_breakdown)
+                        not args.no_sklearn, not args.no_breakdown, profile=args.profile,
+                        shared_too=args.shared_too)
     finally:
         say(f"\nbench_scaling: {time.perf_counter() - t_run:.0f} s in all")
         out = os.environ.get("OUT")

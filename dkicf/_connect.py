@@ -6,6 +6,7 @@ connection says what to check.  :mod:`dkicf.deploy` offers both functions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import time
@@ -35,6 +36,19 @@ def _read_file(path, flag: str) -> bytes:
         raise PermissionError(f"{flag} {path}: not readable by this user.") from None
     except OSError as exc:
         raise OSError(f"{flag} {path}: cannot be read ({exc.strerror or exc}).") from None
+
+
+def scheduler_http(dashboard: bool):
+    """Configuration for a scheduler started by dkicf.
+
+    distributed always starts an HTTP server next to the scheduler.  Without a
+    dashboard it serves only ``/health`` (no worker pages, logs or JSON state).
+    """
+    import dask
+
+    if dashboard:
+        return contextlib.nullcontext()
+    return dask.config.set({"distributed.scheduler.http.routes": ["distributed.http.health"]})
 
 
 def make_security(

@@ -30,7 +30,7 @@ from typing import Any
 
 from . import _config
 from ._cluster import all_workers
-from ._connect import TLS_FLAGS, connect, make_security
+from ._connect import TLS_FLAGS, connect, make_security, scheduler_http
 from .errors import DkicfError
 
 __all__ = [
@@ -106,70 +106,17 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
-def _scheduler_http(dashboard: bool):
-    """Configuration for a scheduler started in this process.
-
-    distributed always starts an HTTP server next to the scheduler.  Without a
-    dashboard it serves only ``/health`` (no worker pages, logs or JSON state).
-    """
-    import dask
-
-    if dashboard:
-        return contextlib.nullcontext()
-    return dask.config.set({"distributed.scheduler.http.routes": ["distributed.http.health"]})
-
-
-def _local_cluster(workers=2, threads=1, memory_limit="auto", dashboard=False):
-    import dask
-    from distributed import LocalCluster
-
+def _local_cluster(workers=2, threads=1, memory_limit="auto", dashboard=False,
+                   separate_processes=None):
     _positive_int(workers, "workers")
     _positive_int(threads, "threads")
-    preload = dask.config.get("distributed.worker.preload", None) or []
-    preload = [preload] if isinstance(preload, str) else list(preload)
-    with _scheduler_http(dashboard):
-        try:
-            return LocalCluster(
-                n_workers=workers,
-                threads_per_worker=threads,
-                memory_limit=memory_limit,
-                processes=True,
-                host="127.0.0.1",
-                dashboard_address="127.0.0.1:0",
-                scheduler_kwargs={"dashboard": bool(dashboard)},
-                # Ctrl-C is for the driver, which closes the cluster: the workers
-                # ignore it rather than print tracebacks (see _worker_preload).
-                preload=[*preload, "dkicf._worker_preload"],
-            )
-        except RuntimeError as exc:
-            script = _unguarded_script()
-            if script is None:
-                raise
-            raise RuntimeError(
-                f"the local worker processes failed to start ({exc}). They are new Python "
-                f"processes that import {script} first, and a script that starts a cluster "
-                "at import time starts it again in each of them: put the code that starts "
-                'the cluster under if __name__ == "__main__":'
-            ) from exc
+    if separate_processes is None:
+        separate_processes = _config.get("cluster.separate-processes")
+    # Loaded here: _local imports distributed, which `import dkicf` leaves out.
+    from . import _local
 
-
-def _unguarded_script() -> str | None:
-    """The running script, if it starts clusters at import time (no ``__main__`` guard).
-
-    Spawned worker processes import the script as ``__mp_main__``; when they
-    fail to start, its source says whether it guards its code.
-    """
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path or not os.path.isfile(path):
-        return None
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return None
-    if re.search(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", text, re.MULTILINE):
-        return None
-    return path
+    return _local.local_cluster_object(workers, threads, memory_limit, dashboard,
+                                       separate_processes)
 
 
 def _k8s_memory(nbytes: int) -> str:
@@ -540,7 +487,7 @@ def _jobqueue_cluster(kind: str, **options):
     # unless security=False; its HTTP server stays on 127.0.0.1 (reach it with an
     # ssh tunnel).
     job_cls = _reporting_job_class(cluster_cls.job_cls)
-    with _scheduler_http(dashboard):
+    with scheduler_http(dashboard):
         cluster = cluster_cls(
             **kwargs,
             job_cls=job_cls,
@@ -818,7 +765,8 @@ def start_cluster(kind: str = "local", **options):
         Where the workers run.
     **options
         ``local``: ``workers=2``, ``threads=1`` (per worker),
-        ``memory_limit="auto"`` (per worker), ``dashboard=False``.  Binds to
+        ``memory_limit="auto"`` (per worker), ``dashboard=False``,
+        ``separate_processes`` (see :func:`local_cluster`).  Binds to
         127.0.0.1; the dashboard, when on, too.
 
         ``kubernetes``: ``name``, ``image``, ``workers``, ``threads``,
@@ -900,7 +848,8 @@ def start_cluster(kind: str = "local", **options):
 
     watch = wait = None
     if kind == "local":
-        _check_options(kind, options, ("workers", "threads", "memory_limit", "dashboard"))
+        _check_options(kind, options, ("workers", "threads", "memory_limit", "dashboard",
+                                       "separate_processes"))
         cluster = _local_cluster(**options)
     elif kind == "kubernetes":
         wait = _wait_options(options)
@@ -931,8 +880,9 @@ def local_cluster(
     memory_limit: str | int | None = None,
     *,
     dashboard: bool = False,
+    separate_processes: bool | str | None = None,
 ):
-    """Start a LocalCluster bound to 127.0.0.1 and return a client connected to it.
+    """Start a local cluster bound to 127.0.0.1 and return a client connected to it.
 
     The workers are separate processes.  Without ``dashboard=True`` the
     scheduler's HTTP port serves only ``/health``; with it, the dashboard is
@@ -952,6 +902,14 @@ def local_cluster(
         unless configured).
     dashboard : bool
         Serve the dask dashboard (on 127.0.0.1 only).
+    separate_processes : bool or "auto", optional
+        Run the scheduler, and each worker's nanny, in a process of its own
+        rather than in this one (a ``LocalCluster``).  With many workers, a
+        scheduler and nannies in the driver's process keep it busy and slow
+        every pass of a fit down: on 16 cores with 16 workers that process was
+        the serial part of the factorization.  ``"auto"`` separates them for
+        more than 4 workers.  By default ``dkicf.cluster.separate-processes``
+        (``auto`` unless configured).
 
     Returns
     -------
@@ -972,6 +930,6 @@ def local_cluster(
         memory_limit = _config.get("cluster.memory-limit")
     client, _ = start_cluster(
         "local", workers=n_workers, threads=threads_per_worker, memory_limit=memory_limit,
-        dashboard=dashboard,
+        dashboard=dashboard, separate_processes=separate_processes,
     )
     return client

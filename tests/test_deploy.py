@@ -1770,9 +1770,9 @@ def test_local_cluster_takes_its_defaults_from_dask_config(monkeypatch):
     dkicf.local_cluster()
     assert seen == [
         {"kind": "local", "workers": 5, "threads": 3, "memory_limit": "3GiB",
-         "dashboard": False},
+         "dashboard": False, "separate_processes": None},
         {"kind": "local", "workers": 1, "threads": 2, "memory_limit": "1GiB",
-         "dashboard": True},
+         "dashboard": True, "separate_processes": None},
         {"kind": "local", "workers": 2, "threads": 1, "memory_limit": "auto",
-         "dashboard": False},
+         "dashboard": False, "separate_processes": None},
     ]

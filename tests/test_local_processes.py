@@ -1,0 +1,102 @@
+"""Local clusters whose scheduler and nannies run in processes of their own (dkicf._local)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from dkicf._local import _SHARED_PROCESS_MAX, separate_processes
+
+
+def test_auto_separates_beyond_a_few_workers_and_bad_values_are_refused():
+    assert separate_processes("auto", _SHARED_PROCESS_MAX) is False
+    assert separate_processes("auto", _SHARED_PROCESS_MAX + 1) is True
+    assert separate_processes("AUTO", 16) is True
+    assert separate_processes(True, 1) is True and separate_processes(False, 64) is False
+    with pytest.raises(ValueError, match="separate_processes must be True, False or 'auto'"):
+        separate_processes("yes", 2)
+
+
+def _listening(proc: psutil.Process) -> list:
+    try:
+        return [c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == "LISTEN"]
+    except psutil.Error:
+        return []
+
+
+def test_scheduler_and_nannies_leave_the_driver_and_stay_on_loopback():
+    import dask
+    import dask.array as da
+
+    import dkicf
+
+    with dask.config.set({"dkicf.fit.rank": 37}):
+        client = dkicf.local_cluster(2, 1, "1GiB", separate_processes=True)
+    cluster = client.cluster
+    try:
+        me = os.getpid()
+        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+        scheduler_pid = client.run_on_scheduler(os.getpid)
+        nanny_pids = set(client.run(os.getppid).values())
+        assert scheduler_pid != me and me not in nanny_pids and len(nanny_pids) == 2
+        # The driver's dask settings went with them; Ctrl-C in the terminal does not.
+        get = lambda: dask.config.get("dkicf.fit.rank")  # noqa: E731
+        assert client.run_on_scheduler(get) == 37
+        assert set(client.run(get).values()) == {37}
+        assert client.run_on_scheduler(dask.config.get, "distributed.scheduler.http.routes") \
+            == ["distributed.http.health"]
+        children = psutil.Process().children(recursive=True)
+        assert {os.getsid(p.pid) for p in children}.isdisjoint({os.getsid(0)})
+        addresses = [ip for p in children for ip in _listening(p)]
+        assert addresses and set(addresses) == {"127.0.0.1"}
+        # A fit on it gives the numpy backend's pivots.
+        X = np.random.default_rng(0).normal(size=(3000, 4))
+        res = dkicf.incomplete_cholesky(da.from_array(X, chunks=1000), gamma=0.3, max_rank=12,
+                                        client=client)
+        ref = dkicf.incomplete_cholesky(X, gamma=0.3, max_rank=12)
+        np.testing.assert_array_equal(res.pivots, ref.pivots)
+    finally:
+        client.close()
+        cluster.close()
+    deadline = time.monotonic() + 10
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children):
+        assert time.monotonic() < deadline, "processes outlived cluster.close()"
+        time.sleep(0.1)
+
+
+_DRIVER = """
+import json, sys, time
+import psutil
+import dkicf
+if __name__ == "__main__":
+    client = dkicf.local_cluster(2, 1, "1GiB", separate_processes=True)
+    print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)]), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_processes_end_themselves_when_the_driver_is_killed(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) >= 5  # the scheduler, 2 nannies and their 2 workers
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert time.monotonic() < deadline, f"orphans still running: {alive}"
+        time.sleep(0.2)
