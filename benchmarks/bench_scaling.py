@@ -624,7 +624,7 @@ def main(argv=None) -> None:
                     not args.no_breakdown, shared_too=args.shared_too)
             scaling(8_000_000, args.s, args.d, args.gamma, [max(ws)], args.chunks_per_worker,
                     not args.no_kmeans, not args.no_numpy, not args.no_sklearn,
-                    not args.no_breakdown)
+                    not args.no_breakdown, shared_too=args.shared_too)
         else:
             for n in args.n:
                 scaling(int(n), args.s, args.d, args.gamma, args.workers or default_w,
