@@ -140,7 +140,7 @@ def _process_cluster(workers: int, threads: int, memory_limit, dashboard: bool):
         "dashboard_address": "127.0.0.1:0", "preload": _worker_preloads(),
         "preload_nanny": [_GUARD],
     }}}
-    cluster = SpecCluster(
+    cluster = _ProcessCluster(
         workers={i: worker for i in range(workers)}, scheduler=scheduler, worker=worker,
         name="dkicf-local",
     )
@@ -165,6 +165,19 @@ def _wait_for_workers(cluster, count: int) -> None:
             raise RuntimeError(f"{count} local workers did not all start within "
                                f"{_START_SECONDS} s")
         time.sleep(0.05)
+
+
+class _ProcessCluster(SpecCluster):
+    """A ``SpecCluster`` of :class:`_SchedulerProcess` and :class:`_NannyProcess`.
+
+    Closing ends the nannies and workers first: workers left running when
+    the scheduler goes print a traceback per failed heartbeat.
+    """
+
+    async def _close(self):
+        await asyncio.gather(*(w.close() for w in self.workers.values()),
+                             return_exceptions=True)
+        await super()._close()
 
 
 class _SpecProcess(ProcessInterface):

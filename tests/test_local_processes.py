@@ -53,7 +53,8 @@ def test_scheduler_and_nannies_leave_the_driver_and_stay_on_loopback():
         assert set(client.run(get).values()) == {37}
         assert client.run_on_scheduler(dask.config.get, "distributed.scheduler.http.routes") \
             == ["distributed.http.health"]
-        children = psutil.Process().children(recursive=True)
+        worker_pids = set(client.run(os.getpid).values())
+        children = [psutil.Process(p) for p in {scheduler_pid, *nanny_pids, *worker_pids}]
         assert {os.getsid(p.pid) for p in children}.isdisjoint({os.getsid(0)})
         addresses = [ip for p in children for ip in _listening(p)]
         assert addresses and set(addresses) == {"127.0.0.1"}
