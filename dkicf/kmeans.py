@@ -153,23 +153,14 @@ default="k-means||"
         Cluster for a dask P (default: the current client).  Unused for numpy.
     progress : callable, optional
         Called with a :class:`KMeansProgress` after each step or iteration.
-    checkpoint : str, optional
-        Zarr group (local path or fsspec URL) where the fit commits its state
-        every ``checkpoint_every`` steps and after each run; a crashed driver
-        resumes from it (``resume=True``) to exactly the uninterrupted result
-        (see ``docs/checkpoints.md``).
-    checkpoint_every : int, optional
-        Mini-batch steps or Lloyd iterations between commits within a run;
-        default 100 steps and 5 iterations.
-    resume : bool, default=False
-        Continue the checkpoint at ``checkpoint`` (start it if there is none).
-        A checkpoint that holds a finished fit gives its result with no step
-        run, after one assignment pass for the labels.
-    overwrite : bool, default=False
-        Replace an existing dkicf k-means checkpoint (never anything that
-        dkicf did not create).
-    storage_options : dict, optional
-        fsspec options (credentials, endpoint) of ``checkpoint``.
+    checkpoint, checkpoint_every, resume, overwrite, storage_options
+        Commit the fit's state to the Zarr group ``checkpoint`` (a path or
+        fsspec URL, with fsspec ``storage_options``) every ``checkpoint_every``
+        steps (default 100 mini-batch steps, 5 Lloyd iterations) and after each
+        run; ``resume=True`` continues it to exactly the uninterrupted result
+        (a finished one gives its result after one pass for the labels);
+        ``overwrite=True`` replaces a dkicf checkpoint, never anything else.
+        See ``docs/checkpoints.md``.
     persist : bool, default=True
         Dask P only: hold P's chunks in worker memory (``True``, refused
         before any task if they do not fit), or read each chunk from P's
@@ -227,17 +218,21 @@ default="k-means||"
             )
         return _fit(backend, cfg, seeds, progress, ckpt, pos)
     except worker_failure_types() as exc:
-        err = _worker_failure(exc, pos, cfg.algorithm, ckpt, checkpoint)
-        # The error must not keep the failed fit's futures alive (its
-        # traceback keeps its lines, not its frames' variables, nor the best
-        # run's labels): their erred tasks, P's chunks among them when they
-        # were lost with the dying workers, are released, and a resume in this
-        # session computes them again instead of failing on their errors.
-        traceback.clear_frames(exc.__traceback__)
-        ckpt = None
-        raise err from exc
+        raise _failure(exc, pos, cfg.algorithm, ckpt, checkpoint) from exc
     finally:
         backend.close()
+
+
+def _failure(exc: BaseException, pos: _Position, algorithm: str, ckpt, checkpoint):
+    """dkicf's error for a task that killed its workers, the failed fit let go."""
+    err = _worker_failure(exc, pos, algorithm, ckpt, checkpoint)
+    # The error must not keep the failed fit's futures alive (its traceback
+    # keeps its lines, not its frames' variables, nor the best run's labels):
+    # their erred tasks, P's chunks among them when they were lost with the
+    # dying workers, are released, and a resume in this session computes them
+    # again instead of failing on their errors.
+    traceback.clear_frames(exc.__traceback__)
+    return err
 
 
 def _check_run_args(checkpoint, checkpoint_every, resume, overwrite, persist) -> dict:
