@@ -383,6 +383,14 @@ class _DaskBackend:
         else:
             # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
             self.blocks = LazyChunk.row_chunks(P)
+        # P's rows are checked for NaN and infinity by the first full pass
+        # only: on 2 cores the check took as long as a Lloyd pass's own work.
+        self._check = True
+
+    def _checked(self, parts):
+        """``parts`` of a full pass came back: every chunk of P was checked."""
+        self._check = False
+        return parts
 
     def _submit(self, name: str, fn, j: int, *args):
         from dask.base import tokenize
@@ -406,24 +414,24 @@ class _DaskBackend:
 
     def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
         futs = [
-            self._submit("lloyd", _chunk_lloyd, j, int(off), centers, n_far)
+            self._submit("lloyd", _chunk_lloyd, j, int(off), centers, n_far, self._check)
             for j, off in enumerate(self.offsets[:-1])
         ]
-        return self.client.gather(futs)
+        return self._checked(self.client.gather(futs))
 
     def full_pass(self, centers: np.ndarray):
         import dask.array as da
 
         both = [
-            self._submit("assign", _chunk_assign, j, int(off), centers)
+            self._submit("assign", _chunk_assign, j, int(off), centers, self._check)
             for j, off in enumerate(self.offsets[:-1])
         ]
         labels = [
             self.client.submit(operator.getitem, f, 0, key=f"{f.key}-labels") for f in both
         ]
-        stats = self.client.gather(
+        stats = self._checked(self.client.gather(
             [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-stats") for f in both]
-        )
+        ))
         labels = da.concatenate(
             [
                 da.from_delayed(f, shape=(c,), dtype=np.int64)
@@ -436,13 +444,13 @@ class _DaskBackend:
         """k-means|| pass: new per-chunk states (futures, kept on the workers) and their sums."""
         both = [
             self._submit("kmpar", _chunk_nearest_update, j, int(off),
-                         None if state is None else state[j], cands, firsts)
+                         None if state is None else state[j], cands, firsts, self._check)
             for j, off in enumerate(self.offsets[:-1])
         ]
         new = [self.client.submit(operator.getitem, f, 0, key=f"{f.key}-state") for f in both]
-        phi = self.client.gather(
+        phi = self._checked(self.client.gather(
             [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-phi") for f in both]
-        )
+        ))
         return new, phi
 
     def oversample(self, state, phis: list, ell: float, keys: list) -> list:
