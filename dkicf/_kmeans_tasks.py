@@ -387,51 +387,62 @@ class _DaskBackend:
         # only: on 2 cores the check took as long as a Lloyd pass's own work.
         self._check = True
 
+    def _starts(self) -> list[int]:
+        return [int(off) for off in self.offsets[:-1]]
+
     def _checked(self, parts):
         """``parts`` of a full pass came back: every chunk of P was checked."""
         self._check = False
         return parts
 
-    def _submit(self, name: str, fn, j: int, *args):
+    def _map(self, name: str, fn, chunks, *args, each=()) -> list:
+        """``fn(block_j, *args_j)`` for each chunk ``j`` of ``chunks``, sent in one message.
+
+        ``each`` lists the positions in ``args`` that hold one value per
+        chunk of ``chunks``; the others go to every chunk.  One ``client.map``
+        is one update of the scheduler's graph, where a submit per chunk cost
+        one each (tens of chunks per pass on a large cluster).
+        """
         from dask.base import tokenize
 
-        block = self.blocks[j]
-        key = f"kmeans-{name}-{tokenize(self.token, block.key, *args)}"
-        return self.client.submit(_in_task, fn, block, *args, key=key)
+        chunks = list(chunks)
+        per = [[a[i] if pos in each else a for pos, a in enumerate(args)]
+               for i in range(len(chunks))]
+        blocks = [self.blocks[j] for j in chunks]
+        keys = [f"kmeans-{name}-{tokenize(self.token, b.key, *a)}"
+                for b, a in zip(blocks, per)]
+        columns = [list(col) for col in zip(*per)] if args else []
+        return self.client.map(_in_task, [fn] * len(chunks), blocks, *columns, key=keys)
+
+    def _parts(self, futures, index: int, suffix: str) -> list:
+        """Futures of item ``index`` of each of ``futures`` (tuples), in one message."""
+        return self.client.map(operator.getitem, futures, [index] * len(futures),
+                               key=[f"{f.key}-{suffix}" for f in futures])
 
     def rows(self, index: np.ndarray) -> np.ndarray:
         index = np.asarray(index, dtype=np.int64)
         uniq, inverse = np.unique(index, return_inverse=True)
         owner = np.searchsorted(self.offsets, uniq, side="right") - 1
         cuts = np.searchsorted(owner, np.arange(len(self.chunks) + 1))
-        futs = [
-            self._submit("rows", _chunk_take, j, uniq[lo:hi] - self.offsets[j])
-            for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:]))
-            if hi > lo
-        ]
+        wanted = [(j, uniq[lo:hi] - self.offsets[j])
+                  for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])) if hi > lo]
+        futs = self._map("rows", _chunk_take, [j for j, _ in wanted],
+                         [local for _, local in wanted], each=(0,))
         # Chunks hold contiguous row ranges: in chunk order the parts are in `uniq` order.
         return np.concatenate(self.client.gather(futs))[inverse.ravel()]
 
     def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
-        futs = [
-            self._submit("lloyd", _chunk_lloyd, j, int(off), centers, n_far, self._check)
-            for j, off in enumerate(self.offsets[:-1])
-        ]
+        futs = self._map("lloyd", _chunk_lloyd, range(len(self.chunks)), self._starts(),
+                         centers, n_far, self._check, each=(0,))
         return self._checked(self.client.gather(futs))
 
     def full_pass(self, centers: np.ndarray):
         import dask.array as da
 
-        both = [
-            self._submit("assign", _chunk_assign, j, int(off), centers, self._check)
-            for j, off in enumerate(self.offsets[:-1])
-        ]
-        labels = [
-            self.client.submit(operator.getitem, f, 0, key=f"{f.key}-labels") for f in both
-        ]
-        stats = self._checked(self.client.gather(
-            [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-stats") for f in both]
-        ))
+        both = self._map("assign", _chunk_assign, range(len(self.chunks)), self._starts(),
+                         centers, self._check, each=(0,))
+        labels = self._parts(both, 0, "labels")
+        stats = self._checked(self.client.gather(self._parts(both, 1, "stats")))
         labels = da.concatenate(
             [
                 da.from_delayed(f, shape=(c,), dtype=np.int64)
@@ -442,39 +453,33 @@ class _DaskBackend:
 
     def nearest_update(self, state, cands: list, firsts: list):
         """k-means|| pass: new per-chunk states (futures, kept on the workers) and their sums."""
-        both = [
-            self._submit("kmpar", _chunk_nearest_update, j, int(off),
-                         None if state is None else state[j], cands, firsts, self._check)
-            for j, off in enumerate(self.offsets[:-1])
-        ]
-        new = [self.client.submit(operator.getitem, f, 0, key=f"{f.key}-state") for f in both]
-        phi = self._checked(self.client.gather(
-            [self.client.submit(operator.getitem, f, 1, key=f"{f.key}-phi") for f in both]
-        ))
+        states = [None] * len(self.chunks) if state is None else list(state)
+        both = self._map("kmpar", _chunk_nearest_update, range(len(self.chunks)),
+                         self._starts(), states, cands, firsts, self._check, each=(0, 1))
+        new = self._parts(both, 0, "state")
+        phi = self._checked(self.client.gather(self._parts(both, 1, "phi")))
         return new, phi
 
     def oversample(self, state, phis: list, ell: float, keys: list) -> list:
-        futs = [
-            self._submit("kmpar-draw", _chunk_oversample, j, int(off), state[j], phis, ell, keys)
-            for j, off in enumerate(self.offsets[:-1])
-        ]
+        futs = self._map("kmpar-draw", _chunk_oversample, range(len(self.chunks)),
+                         self._starts(), list(state), phis, ell, keys, each=(0, 1))
         parts = self.client.gather(futs)
         return [np.concatenate([part[r] for part in parts]) for r in range(len(phis))]
 
     def candidate_counts(self, state, sizes: list) -> list:
-        futs = [self.client.submit(_state_counts, st, sizes, key=f"{st.key}-counts")
-                for st in state]
+        futs = self.client.map(_state_counts, list(state), [sizes] * len(state),
+                               key=[f"{st.key}-counts" for st in state])
         parts = self.client.gather(futs)
         return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
 
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
-        futs = [self._submit("distinct", _chunk_distinct, j, int(off), k, direction)
-                for j, off in enumerate(self.offsets[:-1])]
+        futs = self._map("distinct", _chunk_distinct, range(len(self.chunks)),
+                         self._starts(), k, direction, each=(0,))
         return self.client.gather(futs)
 
     def digests(self) -> tuple[tuple[int, ...], list[str]]:
         """Row chunks and one digest per chunk, hashed where the chunks live."""
-        futs = [self._submit("digest", chunk_digest, j) for j in range(len(self.chunks))]
+        futs = self._map("digest", chunk_digest, range(len(self.chunks)))
         return self.chunks, self.client.gather(futs)
 
     def close(self) -> None:
