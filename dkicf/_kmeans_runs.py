@@ -94,19 +94,30 @@ class _Position:
         return where
 
 
-def _initial_centers(backend, cfg: _Config, rng: np.random.Generator, candidates):
-    """Initial centres, and the mean feature variance of a seeded sample of rows.
+def _init_samples(backend, cfg: _Config, rngs: list) -> list:
+    """Each run's seeded sample of rows (drawn with its own ``rngs[r]``), in one fetch.
 
     The sample is drawn by global row index, so it is the same rows whatever
-    the chunking; only those rows are fetched.  k-means++ runs on it;
-    k-means|| reclusters the run's weighted ``candidates()`` and uses the
-    sample only for the variance, which scales ``tol``.
+    the chunking and whichever runs share the fetch; only those rows travel.
+    """
+    indices = [np.sort(rng.choice(backend.n, size=cfg.init_size, replace=False))
+               for rng in rngs]
+    if not indices:
+        return []
+    rows = backend.rows(np.concatenate(indices))
+    _check_finite(rows, np.concatenate(indices))
+    return np.split(rows, np.cumsum([i.shape[0] for i in indices])[:-1])
+
+
+def _initial_centers(cfg: _Config, rng: np.random.Generator, sample, candidates):
+    """Initial centres, and the mean feature variance of the run's ``sample`` of rows.
+
+    k-means++ runs on the sample; k-means|| reclusters the run's weighted
+    ``candidates()`` and uses the sample only for the variance, which
+    scales ``tol``.  ``rng`` is the generator that drew the sample.
     """
     from sklearn.cluster import KMeans, kmeans_plusplus
 
-    index = np.sort(rng.choice(backend.n, size=cfg.init_size, replace=False))
-    sample = backend.rows(index)
-    _check_finite(sample, index)
     variance = float(np.mean(np.var(sample, axis=0)))
     if not isinstance(cfg.init, str):
         return cfg.init.copy(), variance
@@ -597,13 +608,19 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
             pending.update(zip(todo, found))
         return pending.pop(restart)
 
+    # The fresh runs' init samples, fetched together (one request, not one per run).
+    fresh = range(runs.restart + (saved is not None), cfg.n_init)
+    init_rngs = {r: np.random.default_rng(np.random.SeedSequence(runs.seeds[r]).spawn(3)[0])
+                 for r in fresh}
+    pos.at("init")
+    samples = dict(zip(fresh, _init_samples(backend, cfg, [init_rngs[r] for r in fresh])))
     for restart in range(runs.restart, cfg.n_init):
         runs.restart = pos.restart = restart
-        init_ss, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
+        _, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
         if saved is None:
             pos.at("init")
             centers, variance = _initial_centers(
-                backend, cfg, np.random.default_rng(init_ss),
+                cfg, init_rngs[restart], samples.pop(restart),
                 lambda restart=restart: candidates(restart),
             )
             tol_abs = cfg.tol * variance
