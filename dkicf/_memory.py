@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from contextvars import ContextVar
 
 import numpy as np
@@ -47,10 +48,24 @@ def _worker_resources(client) -> tuple[list[int], list[int]]:
 
 
 def _scheduler_info(client) -> dict:
+    """The scheduler's view of every worker; within a fit, at most one request per
+    :data:`_INFO_SECONDS` (a fit's set-up asks a dozen times in a row, and with
+    many workers each answer is large)."""
+    fit = _FIT_MEASUREMENTS.get()
+    key = ("scheduler_info", id(client))
+    if fit is not None and key in fit and time.monotonic() - fit[key][0] < _INFO_SECONDS:
+        return fit[key][1]
     try:
-        return client.scheduler_info(n_workers=-1)  # every worker, not only the first few
+        info = client.scheduler_info(n_workers=-1)  # every worker, not only the first few
     except TypeError:  # distributed < 2025: all workers by default
-        return client.scheduler_info()
+        info = client.scheduler_info()
+    if fit is not None:
+        fit[key] = (time.monotonic(), info)
+    return info
+
+
+# Seconds for which a fit reuses the scheduler's last answer about its workers.
+_INFO_SECONDS = 0.5
 
 
 # Fraction of the cluster's memory that the states of a Zarr-backed P may hold
