@@ -101,16 +101,19 @@ def test_convert_fit_predict_info_plot(ring_store):
 
 
 @pytest.mark.parametrize("p_storage", ["memory", "zarr"])
-def test_a_model_without_p_predicts_the_same(ring_store, tmp_path, p_storage):
+def test_a_model_without_p_predicts_the_same(ring_store, tmp_path, p_storage, client, capsys):
     """--no-save-p leaves P out of the output (also when the fit kept it there in Zarr)."""
     import zarr
 
     tmp = ring_store
+    # In this process, on the session's cluster: no interpreter or cluster to start.
+    on = ("--scheduler", client.scheduler.address, "--quiet")
     args = ("fit", tmp / "ring.zarr", "--clusters", "2", "--gamma", "2^4", "--rank", "30",
-            "--p-storage", p_storage, *CLUSTER)
-    full = dkicf(*args, "--out", tmp_path / "full.zarr", cwd=tmp_path)
-    slim = dkicf(*args, "--out", tmp_path / "slim.zarr", "--no-save-p", cwd=tmp_path)
-    assert full.returncode == 0 and slim.returncode == 0, slim.stderr
+            "--p-storage", p_storage, *on)
+    full = run_main(capsys, *args, "--out", tmp_path / "full.zarr", cwd=tmp_path)
+    slim = run_main(capsys, *args, "--out", tmp_path / "slim.zarr", "--no-save-p",
+                    cwd=tmp_path)
+    assert full[0] == 0 and slim[0] == 0, slim[2]
     with_p = zarr.open_group(str(tmp_path / "full.zarr"), mode="r")
     without = zarr.open_group(str(tmp_path / "slim.zarr"), mode="r")
     assert "P" in with_p and "P" not in without
@@ -118,9 +121,9 @@ def test_a_model_without_p_predicts_the_same(ring_store, tmp_path, p_storage):
     np.testing.assert_array_equal(without["labels"][...], with_p["labels"][...])
     for name in ("pivots", "cholesky_factor", "cluster_centers"):
         np.testing.assert_array_equal(without[name][...], with_p[name][...])
-    pred = dkicf("predict", tmp_path / "slim.zarr", tmp / "ring.zarr", "--out",
-                 tmp_path / "labels.zarr", *CLUSTER, cwd=tmp_path)
-    assert pred.returncode == 0, pred.stderr
+    pred = run_main(capsys, "predict", tmp_path / "slim.zarr", tmp / "ring.zarr", "--out",
+                    tmp_path / "labels.zarr", *on, cwd=tmp_path)
+    assert pred[0] == 0, pred[2]
     labels = zarr.open_group(str(tmp_path / "labels.zarr"), mode="r")["labels"][...]
     np.testing.assert_array_equal(labels, with_p["labels"][...])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.zarr", "labels.zarr",
