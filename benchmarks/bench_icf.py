@@ -259,10 +259,10 @@ def in_process_cluster():
 
     from distributed import Client, LocalCluster
 
-    from dkicf.deploy import _scheduler_http
+    from dkicf._connect import scheduler_http
 
     logging.getLogger("distributed").setLevel(logging.WARNING)  # its closing messages too
-    with _scheduler_http(False):
+    with scheduler_http(False):
         cluster = LocalCluster(
             n_workers=2, threads_per_worker=1, processes=False, memory_limit=0,
             dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False},
