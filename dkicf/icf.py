@@ -81,80 +81,63 @@ def incomplete_cholesky(
 ) -> ICFResult:
     """Incomplete Cholesky factorization ``K ~ P P^T`` of a kernel matrix.
 
-    The paper's Algorithm 1: starting from ``e = diag(K)``, each iteration picks
-    the row ``t`` with the largest residual ``e[t]`` among the rows not yet
-    selected (ties go to the lowest row index), sets ``nu = sqrt(e[t])``,
-    appends ``p = (K[:, t] - P P[t]^T) / nu`` as a new column of P and updates
-    ``e -= p**2``.  It stops when P has ``max_rank`` columns, when the trace
-    error ``tr(K - P P^T) = sum(e)`` is ``<= tol``, or when the largest residual
-    is at the rounding level (the numerical rank of K: the paper's corollary,
-    never more iterations than ``rank(K)``).  The kernel matrix is never formed:
-    the cost is ``O(n s (d + s))`` time and ``O(n s)`` memory.
+    The paper's Algorithm 1: from ``e = diag(K)``, each iteration takes the
+    row ``t`` of largest residual (ties to the lowest index), ``nu =
+    sqrt(e[t])``, appends ``p = (K[:, t] - P P[t]^T) / nu`` to P and updates
+    ``e -= p**2``; it stops at ``max_rank`` columns, at a trace error
+    ``sum(e) <= tol``, or at the numerical rank of K.  K is never formed:
+    ``O(n s (d + s))`` time, ``O(n s)`` memory.
 
     Parameters
     ----------
     X : array-like or dask array of shape (n_samples, n_features)
-        The data.  A dask array must be chunked by rows only (columns in one
-        block); each row chunk is one task per iteration on the cluster.
+        The data; a dask array's row chunks are tasks on the cluster.
     kernel : str, callable or Kernel, default="gaussian"
-        A name of :func:`dkicf.kernels.kernel_names` (``"gaussian"`` is
-        ``exp(-gamma ||x-y||^2)``), a callable ``f(A, B)`` returning a kernel
-        block, or a :class:`~dkicf.kernels.Kernel`.
+        A name of :func:`dkicf.kernels.kernel_names` (``"gaussian"``:
+        ``exp(-gamma ||x-y||^2)``), a callable ``f(A, B)`` or a ``Kernel``.
     gamma : float or "median", default=None
-        Kernel width; ``None`` means ``"median"`` for the Gaussian and
-        Laplacian kernels (see :func:`dkicf.kernels.median_gamma`) and
-        ``1 / n_features`` for the polynomial kernel.
+        Kernel width; ``None``: ``"median"`` (:func:`dkicf.kernels.median_gamma`)
+        for the Gaussian and Laplacian kernels, ``1 / n_features`` otherwise.
     degree, coef0 : polynomial kernel parameters.
     max_rank : int, default=100
         Largest number of columns of P (the paper's ``s``).
     tol : float, default=1e-3
         Stop once the trace error ``tr(K - P P^T)`` is ``<= tol`` (absolute,
-        as the paper's epsilon; ``tr(K) = n`` for the Gaussian kernel).
+        as the paper's epsilon).
     rank_tol : float, optional
-        A pivot whose residual ``e[t]`` is ``<= rank_tol`` is rounding noise and
-        ends the factorization.  Default: ``eps * max(diag K) * max(n, c)``,
-        LAPACK's rule for pivoted Cholesky with ``c`` the kernel's rounding
-        factor.
+        A largest residual ``<= rank_tol`` is rounding noise and ends the
+        factorization (default: LAPACK's rule, ``eps * max(diag K) * max(n, c)``).
     client : distributed.Client or str, optional
-        Cluster to run on for dask input (default: the current client).
+        Cluster for dask input (default: the current client).
     persist : bool, default=True
-        Dask input only: keep X's chunks in worker memory (one read), or re-read
-        them from their source on every pass (data larger than the cluster).
+        Dask input only: keep X's chunks in worker memory, or re-read them
+        from their source on every pass (data larger than the cluster).
     random_state : int, optional
-        Seed of the median heuristic's sample and of the random pivots of
-        ``pivoting="rpcholesky"``.
+        Seed of the median heuristic's sample and of RPCholesky's pivots.
     progress : callable, optional
-        Called with an :class:`ICFProgress` after every pass (one pivot for
-        ``"greedy"``, one block of pivots for the block rules).
+        Called with an :class:`ICFProgress` after every pass.
     pivoting : str, default="block-greedy"
         A name of :data:`dkicf.pivoting.PIVOT_RULES`: ``"greedy"`` (the
-        paper's loop as written, one pivot per pass over X),
-        ``"block-greedy"`` (the same pivots, several per pass, except where
-        two residuals tie within rounding) or ``"rpcholesky"`` (randomly
-        pivoted Cholesky, blocked, seeded by ``random_state`` and independent
-        of the chunking).  See ``docs/pivoting.md``.
+        paper's loop, one pivot per pass), ``"block-greedy"`` (the same
+        pivots, several per pass, except where residuals tie within
+        rounding) or ``"rpcholesky"`` (randomly pivoted, independent of the
+        chunking).  See ``docs/pivoting.md``.
     block_size : int, optional
-        Block rules only: the most pivots per pass (default: as many as a
-        task's memory allows).  Fix it for RPCholesky pivots that must repeat
-        bit for bit on another cluster or chunking.
+        Block rules: the most pivots per pass (default: what a task's memory
+        allows); fix it for RPCholesky pivots that repeat on another cluster.
     block_delta : float, default=0.0
-        ``"block-greedy"`` only: accept a candidate whose updated residual is
-        within a factor ``1 - block_delta`` of the bound on the other rows.
-        Larger blocks, fewer passes, but the pivots are no longer exactly the
-        sequential ones.
+        Block greedy: accept candidates within a factor ``1 - block_delta``
+        of the bound (fewer passes; the pivots are no longer exactly greedy's).
     p_store : str, optional
         Dask input only: a Zarr array (path or fsspec URL) for a P larger
         than the cluster's memory (same pivots, P equal to rounding).
     checkpoint, checkpoint_every, resume, overwrite, storage_options
-        Commit to the Zarr group ``checkpoint`` (a path or fsspec URL, with
-        fsspec ``storage_options``) every ``checkpoint_every`` (25) passes and
-        at the end; ``resume=True`` continues it to exactly the pivots and P
-        of an uninterrupted run, and refuses one of other data or parameters
-        with the differences named; ``overwrite=True`` replaces a dkicf store,
-        never anything else.  See ``docs/checkpoints.md``.
+        Commit to the Zarr group ``checkpoint`` (fsspec ``storage_options``)
+        every ``checkpoint_every`` passes; ``resume=True`` continues it to the
+        uninterrupted result; ``overwrite=True`` replaces a dkicf store, never
+        anything else.  See ``docs/checkpoints.md``.
     p_storage : {"auto", "memory", "zarr"}, default="auto"
-        Dask input with ``checkpoint``: P in worker memory, in the checkpoint
-        (a P larger than the cluster), or ``"auto"``: memory if it fits.
+        With ``checkpoint``: P in worker memory, in the checkpoint, or either.
 
     Returns
     -------
@@ -166,8 +149,6 @@ def incomplete_cholesky(
     >>> from dkicf import incomplete_cholesky
     >>> X = np.random.default_rng(0).normal(size=(200, 2))
     >>> res = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=20)
-    >>> res.P.shape
-    (200, 20)
     >>> seq = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=20,
     ...                           pivoting="greedy")  # the paper's loop, one pass per pivot
     >>> bool(np.array_equal(res.pivots, seq.pivots)), res.n_passes < seq.n_passes
@@ -177,26 +158,20 @@ def incomplete_cholesky(
     X = check_array_2d(X, "X")
     n, d = X.shape
     max_rank = _check_int(max_rank, "max_rank")
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
-        raise ValueError(f"tol must be a number >= 0, got {tol!r}.")
-    name, block_size, block_delta = _pivoting.check_pivoting(pivoting, block_size, block_delta)
     capacity = min(max_rank, n)
-    # Made before the kernel: a randomized rule draws its key from random_state first.
-    rule = _pivoting.PIVOT_RULES[name](capacity=capacity, n=n, d=d, block_size=block_size,
-                                       block_delta=block_delta, random_state=random_state)
+    name, block_size, block_delta, rule = _make_rule(X, tol, capacity, pivoting, block_size,
+                                                     block_delta, random_state)
     kernel_obj = _resolve_kernel(X, kernel, gamma, degree, coef0, random_state)
     _check_p_storage(p_storage, p_store, checkpoint, dask_input)
     storage = None
     if p_store is not None or checkpoint is not None:
-        fit = {**kernel_obj.get_params(), "max_rank": max_rank, "tol": tol,
-               "rank_tol": rank_tol, "random_state": random_state, "pivoting": name}
-        if not rule.one_per_pass:  # they shape the blocks, hence the pivots
-            fit.update(block_size=block_size, block_delta=block_delta)
-        X, storage = open_storage(
-            X, dask_input=dask_input, capacity=capacity, params=fit, p_store=p_store,
-            checkpoint=checkpoint, every=checkpoint_every, resume=resume,
-            overwrite=overwrite, client=client, storage_options=storage_options,
-            p_storage=p_storage, persist=persist,
+        X, storage = _open_storage(
+            X, dask_input, kernel_obj, rule, capacity, persist, client, p_storage,
+            p_store=p_store, checkpoint=checkpoint, every=checkpoint_every, resume=resume,
+            overwrite=overwrite, storage_options=storage_options,
+            fit={"max_rank": max_rank, "tol": tol, "rank_tol": rank_tol,
+                 "random_state": random_state, "pivoting": name,
+                 "block_size": block_size, "block_delta": block_delta},
         )
         if storage.finished:
             return storage.load_result(kernel_obj, dask_input)
@@ -207,6 +182,28 @@ def incomplete_cholesky(
         result.info.update(storage.info())
     _warn_if_degenerate(result, n)
     return result
+
+
+def _make_rule(X, tol, capacity, pivoting, block_size, block_delta, random_state):
+    """The checked rule name and block parameters, and the pivot rule made from them."""
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
+        raise ValueError(f"tol must be a number >= 0, got {tol!r}.")
+    name, block_size, block_delta = _pivoting.check_pivoting(pivoting, block_size, block_delta)
+    # Made before the kernel: a randomized rule draws its key from random_state first.
+    rule = _pivoting.PIVOT_RULES[name](capacity=capacity, n=X.shape[0], d=X.shape[1],
+                                       block_size=block_size, block_delta=block_delta,
+                                       random_state=random_state)
+    return name, block_size, block_delta, rule
+
+
+def _open_storage(X, dask_input, kernel, rule, capacity, persist, client, p_storage, *,
+                  fit: dict, **where):
+    """P's store or the checkpoint, opened (or claimed) for this fit's parameters."""
+    params = {**kernel.get_params(), **fit}
+    if rule.one_per_pass:  # the block parameters shape the blocks, hence the pivots
+        del params["block_size"], params["block_delta"]
+    return open_storage(X, dask_input=dask_input, capacity=capacity, params=params,
+                        client=client, p_storage=p_storage, persist=persist, **where)
 
 
 def _run_loop(backend, rule, kernel, n, d, capacity, tol, rank_tol, progress, storage):

@@ -92,80 +92,62 @@ def kmeans(
 ) -> KMeansResult:
     """K-means on the rows of P, in memory or on a dask cluster.
 
-    Each run starts from k-means|| over all of P or k-means++ on a seeded
-    sample, then runs mini-batch steps and/or full-batch Lloyd iterations
-    (``algorithm``); each Lloyd iteration is one distributed pass in which the
-    chunks return per-centre sums and counts, and no row of P moves.  An empty
-    cluster takes the point farthest from its centre.  The run of lowest
-    inertia (a full pass over P) is kept with that pass's labels.  The result
-    depends on ``random_state`` only, not on the number of workers or the
+    Each run starts from k-means|| or k-means++, then runs mini-batch steps
+    and/or Lloyd iterations (distributed passes that return per-centre sums
+    and counts; no row of P moves).  The run of lowest inertia is kept.  The
+    result depends on ``random_state`` only, not on the workers or the
     chunking (up to rounding in Lloyd's sums).  ``docs/kmeans.md`` describes
     the options, their costs and the measurements behind the defaults.
 
     Parameters
     ----------
     P : ndarray or dask array of shape (n_samples, n_features)
-        The rows to cluster.  A dask array is used chunked by rows (column
-        blocks are merged first); its chunks are computed once into worker
-        memory and never gathered: the driver only receives sampled rows and
-        per-chunk summaries.
+        The rows to cluster; a dask array chunked by rows stays on the
+        workers (the driver receives sampled rows and per-chunk summaries).
     n_clusters : int
-        Number of clusters ``k``, at most the number of distinct rows of P
-        (checked by a cheap pass that stops once ``k`` are found).
+        Number of clusters, at most the number of distinct rows of P.
     algorithm : {"minibatch-lloyd", "minibatch", "lloyd"}, default="minibatch-lloyd"
-        ``"minibatch-lloyd"``: mini-batch steps (Sculley 2010), then Lloyd
-        iterations to Lloyd's fixed point.  ``"minibatch"``: the steps alone
-        (cheapest; stops short of the optimum).  ``"lloyd"``: Lloyd alone.
+        Mini-batch steps (Sculley 2010) then Lloyd to its fixed point; the
+        steps alone (cheapest, short of the optimum); or Lloyd alone.
     init : {"k-means||", "k-means++"} or ndarray of shape (n_clusters, n_features), \
 default="k-means||"
-        Initial centres.  ``"k-means||"`` (Bahmani et al. 2012): 5 rounds of
-        oversampling over all of P (6 passes, shared by all runs), then
-        weighted k-means++ on the candidates; it finds small clusters a
-        sample misses.  ``"k-means++"``: with local trials on the init
-        sample.  An array: a single run from it.
+        ``"k-means||"`` (Bahmani et al. 2012; 6 passes over P shared by all
+        runs, then weighted k-means++ on the candidates: it finds small
+        clusters a sample misses), ``"k-means++"`` on the init sample, or
+        the initial centres (a single run).
     batch_size : int, default=1024
-        Rows per mini-batch step (at most ``n_samples``).  Also sets the
-        default ``init_size``.
+        Rows per mini-batch step.
     n_init : int, default=5
-        Number of runs, each from its own initialisation; the lowest inertia
-        wins.
+        Number of runs, each from its own initialisation.
     max_iter : int, default=100
-        Largest number of mini-batch *steps* (batches, not epochs as in
-        scikit-learn's ``MiniBatchKMeans``) and of Lloyd *iterations* (passes
-        over P) per run; ``"minibatch-lloyd"`` caps each phase.
+        Largest number of mini-batch *steps* (not epochs as in scikit-learn)
+        and of Lloyd *iterations* (passes over P) per run and phase.
     tol : float, default=1e-4
-        Mini-batch steps and ``"lloyd"``: stop when the centres' squared
-        movement in a step is ``<= tol`` times the features' mean variance on
-        the init sample.  The Lloyd phase of ``"minibatch-lloyd"``: stop when
-        an iteration lowers the inertia by at most ``tol`` times itself.
-        Lloyd always stops when no label changes.
+        Mini-batch and ``"lloyd"``: stop when the centres move (squared) by
+        ``<= tol`` times the features' mean variance; the Lloyd phase of
+        ``"minibatch-lloyd"``: when an iteration lowers the inertia by ``<=
+        tol`` times itself.  Lloyd always stops when no label changes.
     max_no_improvement : int or None, default=10
-        Mini-batch only: stop when the exponentially weighted batch inertia
-        has not improved for this many consecutive steps (None: never).
+        Mini-batch: stop when the averaged batch inertia has not improved for
+        this many steps (None: never).
     init_size : int, optional
-        Rows sampled for k-means++ and for the variance that scales ``tol``.
-        Default ``max(3 * batch_size, 10 * n_clusters)``; at most
-        ``n_samples``.
+        Rows sampled for k-means++ and for the variance that scales ``tol``
+        (default ``max(3 * batch_size, 10 * n_clusters)``).
     random_state : int, numpy Generator or None
-        Seed of every random choice (samples, batches, re-seeding), all drawn
-        on the driver.
+        Seed of every random choice, all drawn on the driver.
     client : distributed.Client or str, optional
-        Cluster for a dask P (default: the current client).  Unused for numpy.
+        Cluster for a dask P (default: the current client).
     progress : callable, optional
         Called with a :class:`KMeansProgress` after each step or iteration.
     checkpoint, checkpoint_every, resume, overwrite, storage_options
-        Commit the fit's state to the Zarr group ``checkpoint`` (a path or
-        fsspec URL, with fsspec ``storage_options``) every ``checkpoint_every``
-        steps (default 100 mini-batch steps, 5 Lloyd iterations) and after each
-        run; ``resume=True`` continues it to exactly the uninterrupted result
-        (a finished one gives its result after one pass for the labels);
-        ``overwrite=True`` replaces a dkicf checkpoint, never anything else.
-        See ``docs/checkpoints.md``.
+        Commit to the Zarr group ``checkpoint`` (fsspec ``storage_options``)
+        every ``checkpoint_every`` steps (100 mini-batch, 5 Lloyd) and after each
+        run; ``resume=True`` continues it to the uninterrupted result;
+        ``overwrite=True`` replaces a dkicf checkpoint.  See ``docs/checkpoints.md``.
     persist : bool, default=True
-        Dask P only: hold P's chunks in worker memory (``True``, refused
-        before any task if they do not fit), or read each chunk from P's
-        source in every task (``False``: a P larger than the cluster's
-        memory; same result).
+        Dask P only: hold P's chunks in worker memory (refused before any
+        task if they do not fit), or (``False``) read each chunk from P's
+        source in every task, for a P larger than the cluster's memory.
 
     Returns
     -------
@@ -175,14 +157,9 @@ default="k-means||"
     ------
     ValueError
         An invalid parameter (named with its value), or NaN or infinity in P.
-    dkicf.errors.CheckpointMismatchError
-        Resuming a checkpoint of other data or parameters (each difference named).
-    FileExistsError
-        ``checkpoint`` holds something else, or a checkpoint without ``resume``
-        or ``overwrite``.
-    dkicf.errors.WorkerFailureError
-        A task killed every worker that ran it; the message names the run, the
-        step and the last commit, which ``resume=True`` continues.
+    dkicf.errors.CheckpointMismatchError, FileExistsError, dkicf.errors.WorkerFailureError
+        Another fit's checkpoint; a location holding something else; a task
+        that killed every worker that ran it (``resume=True`` continues).
 
     Examples
     --------
@@ -191,13 +168,8 @@ default="k-means||"
     >>> rng = np.random.default_rng(0)
     >>> P = np.concatenate([rng.normal(c, 0.1, size=(100, 2)) for c in (0.0, 5.0)])
     >>> res = kmeans(P, 2, random_state=0)
-    >>> res.cluster_centers.shape
-    (2, 2)
     >>> np.bincount(res.labels).tolist()
     [100, 100]
-
-    With a dask P chunked by rows, on a cluster, the labels stay a dask array
-    chunked like P.
     """
     P = check_array_2d(P, "P")
     n, s = P.shape
