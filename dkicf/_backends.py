@@ -38,6 +38,7 @@ from ._memory import (
     worker_baseline,
 )
 from ._services import (
+    ChunkBackend,
     LazyChunk,
     _deaths_allowed,
     _drop_preferences,
@@ -56,7 +57,7 @@ from .kernels import Kernel
 logger = logging.getLogger(__name__)
 
 
-class FactorBackend(Protocol):
+class FactorBackend(ChunkBackend, Protocol):
     """What the factorization's driver loop (:mod:`dkicf.icf`) asks of a backend.
 
     Both :class:`NumpyBackend` and :class:`DaskBackend` implement it; the

@@ -19,7 +19,7 @@ from scipy import sparse
 
 from ._cluster import get_client
 from ._memory import _gib, _worker_resources
-from ._services import LazyChunk, chunk_digest, materialize, threadpool_limits
+from ._services import ChunkBackend, LazyChunk, chunk_digest, materialize, threadpool_limits
 from ._validation import is_dask_array
 
 # Rows x centres of the distance block a chunk kernel holds at once.
@@ -246,7 +246,7 @@ def _in_task(fn, *args):
         return fn(materialize(args[0]), *args[1:])
 
 
-class KMeansBackend(Protocol):
+class KMeansBackend(ChunkBackend, Protocol):
     """What the k-means driver (:mod:`dkicf._kmeans_runs`) asks of a backend.
 
     Each method is one read of P (a pass, or a map over the chunks that

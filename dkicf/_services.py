@@ -11,11 +11,32 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
 _CONTROLLER: ThreadpoolController | None = None
+
+
+@runtime_checkable
+class ChunkBackend(Protocol):
+    """What every backend of dkicf is: row chunks of one matrix, in this process or
+    on a cluster, read by chunk tasks (numpy arrays here, dask futures there).
+
+    The factorization's :class:`~dkicf._backends.FactorBackend` (chunks of X and
+    their states) and the k-means' :class:`~dkicf._kmeans_tasks.KMeansBackend`
+    (chunks of P) extend it with their own passes; both have a numpy and a
+    dask implementation.
+    """
+
+    n: int
+
+    def rows(self, index) -> Any:
+        """The rows at the global indices ``index`` (and what the backend keeps with them)."""
+
+    def close(self) -> None:
+        """Release the threads, futures and subscriptions of the fit."""
 
 
 def threadpool_limits(limits: int = 1):

@@ -78,3 +78,34 @@ def test_a_taken_name_or_a_class_that_is_not_a_rule_is_refused(first_rows):
     with pytest.raises(TypeError, match="must be a PivotRule subclass"):
         _pivoting.register_rule(object)
     assert _pivoting.register_rule(FirstRows) is FirstRows  # the same class again: no change
+
+
+def test_every_backend_is_a_chunk_backend_with_its_stage_s_protocol(client):
+    """One protocol under both stages: the factorization's and the k-means' backends, numpy
+    and dask, are all ChunkBackends, and each has every method of its own stage's protocol."""
+    import inspect
+
+    import dask.array as da
+
+    from dkicf._backends import DaskBackend, FactorBackend, NumpyBackend
+    from dkicf._kmeans_tasks import KMeansBackend, _backend
+    from dkicf._services import ChunkBackend
+    from dkicf.kernels import make_kernel
+
+    X = np.random.default_rng(0).normal(size=(400, 3))
+    Xd = da.from_array(X, chunks=200)
+    kernel = make_kernel("gaussian", gamma=0.5)
+    made = [NumpyBackend(X, kernel, 10), DaskBackend(Xd, kernel, 10, client, True),
+            _backend(X, client), _backend(Xd, client)]
+    try:
+        for backend, protocol in zip(made, (FactorBackend, FactorBackend, KMeansBackend,
+                                            KMeansBackend)):
+            assert isinstance(backend, ChunkBackend), type(backend).__name__
+            wanted = {name for name, _ in inspect.getmembers(protocol, inspect.isfunction)
+                      if not name.startswith("_")}
+            missing = {name for name in wanted if not callable(getattr(backend, name, None))}
+            assert not missing, (type(backend).__name__, missing)
+            assert backend.n == 400
+    finally:
+        for backend in made:
+            backend.close()
