@@ -396,9 +396,11 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_ctrl_c_mid_fit_is_one_line(ring_store, tmp_path):
+@pytest.mark.parametrize("workers", ["2", "5"])
+def test_ctrl_c_mid_fit_is_one_line(ring_store, tmp_path, workers):
     """Ctrl-C reaches the whole foreground process group, local workers included: only
-    the driver reports it, and the staged output is removed."""
+    the driver reports it, and the staged output is removed.  With 5 workers the
+    scheduler and nannies run in processes of their own, which the driver closes."""
     import signal
     import time
 
@@ -406,7 +408,7 @@ def test_ctrl_c_mid_fit_is_one_line(ring_store, tmp_path):
     proc = tied_popen(
         [sys.executable, "-m", "dkicf.cli", "fit", str(ring_store / "ring.zarr"), "--clusters",
          "2", "--gamma", "16", "--rank", "2000", "--tol", "0", "--pivoting", "greedy",
-         "--out", str(tmp_path / "m.zarr"), *CLUSTER],
+         "--out", str(tmp_path / "m.zarr"), *CLUSTER, "--workers", workers],
         cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env,
     )
     # The staged output appears once the cluster is up and the factorization starts.
