@@ -51,7 +51,7 @@ greedy passes); ``--targets`` prints it too.
 ``--quick`` is the many-core plan: n = 2e6 with W = 1, 2, 4, 8, 16 (those
 the machine has), then n = 8e6 with the largest W, each with numpy and
 scikit-learn; about 5 minutes on 16 cores.  With ``$OUT`` set, everything
-printed is also written to ``$OUT/scaling.txt``.
+printed is also written to ``$OUT/scaling.txt``, line by line.
 
 Run: python benchmarks/bench_scaling.py [--n 1000000] [--s 150] [--workers 1 2]
      python benchmarks/bench_scaling.py --targets
@@ -70,13 +70,18 @@ import time
 
 import numpy as np
 
-_OUT_LINES: list[str] = []
 
 
 def say(*parts) -> None:
+    """Print a line, and append it to ``$OUT/scaling.txt`` at once (a run cut short by a
+    time limit still leaves what it printed there)."""
     line = " ".join(str(p) for p in parts)
     print(line, flush=True)
-    _OUT_LINES.append(line)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "scaling.txt"), "a") as fh:
+            fh.write(line + "\n")
 
 
 def cores() -> int:
@@ -633,11 +638,6 @@ def main(argv=None) -> None:
                         shared_too=args.shared_too)
     finally:
         say(f"\nbench_scaling: {time.perf_counter() - t_run:.0f} s in all")
-        out = os.environ.get("OUT")
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "scaling.txt"), "a") as fh:
-                fh.write("\n".join(_OUT_LINES) + "\n")
 
 
 if __name__ == "__main__":
