@@ -672,6 +672,10 @@ def _single_pass(blocks: list, n: int, m: int) -> bool:
             if b != 1 or why not in ("bound", "ambiguous"):
                 break
             streak += 1
+            if 2 ** (streak - 1) > since:
+                # A longer streak changes nothing: stop here, not at the first block
+                # (the whole history, on every pass of a near-identity kernel).
+                break
         k -= 1
     return streak > 0 and since < min(2 ** (streak - 1), limit)
 
