@@ -452,10 +452,12 @@ def _block_loop(
     lo = hi = history.rank  # columns whose per-column sums are still to fetch (none at a commit)
     r = history.rank  # rank of the result (less than history.rank if tol is met inside a block)
     stop = "max_rank"
+    ahead = None  # the last pass's answer to rule.single_pass for this one
     while True:
         i = history.rank
         done = _stop_reason(i, capacity, trace, tol, summary, rank_tol) is not None
-        single = not done and rule.single_pass(blocks, n, i)
+        single = not done and (rule.single_pass(blocks, n, i) if ahead is None else ahead)
+        ahead = None
         request = _pivoting.CandidateRequest() if done or single else rule.request(i, rank_tol)
         colsq, cand = np.empty(0), None
         if hi > lo or request.count:
@@ -498,7 +500,9 @@ def _block_loop(
         # columns' sums after a block, the candidates unless a lone pivot comes
         # next), saving a round trip on dask.
         nxt = (i + 1, i + 1) if single else (i, i + b)
-        if single and rule.single_pass(blocks, n, i + 1):
+        if single:
+            ahead = rule.single_pass(blocks, n, i + 1)
+        if ahead:
             summary = backend.apply(block, history, 1, stash=0, prefetch=None)
         else:
             summary = backend.apply(block, history, 1, stash=rule.stash(i + b),
