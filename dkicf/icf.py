@@ -457,7 +457,6 @@ def _block_loop(
         i = history.rank
         done = _stop_reason(i, capacity, trace, tol, summary, rank_tol) is not None
         single = not done and (rule.single_pass(blocks, n, i) if ahead is None else ahead)
-        ahead = None
         request = _pivoting.CandidateRequest() if done or single else rule.request(i, rank_tol)
         colsq, cand = np.empty(0), None
         if hi > lo or request.count:
@@ -500,8 +499,7 @@ def _block_loop(
         # columns' sums after a block, the candidates unless a lone pivot comes
         # next), saving a round trip on dask.
         nxt = (i + 1, i + 1) if single else (i, i + b)
-        if single:
-            ahead = rule.single_pass(blocks, n, i + 1)
+        ahead = rule.single_pass(blocks, n, i + 1) if single else None
         if ahead:
             summary = backend.apply(block, history, 1, stash=0, prefetch=None)
         else:
