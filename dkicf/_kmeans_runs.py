@@ -609,14 +609,15 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
         return pending.pop(restart)
 
     # The fresh runs' init samples, fetched together (one request, not one per run).
+    streams = {r: np.random.SeedSequence(runs.seeds[r]).spawn(3)
+               for r in range(runs.restart, cfg.n_init)}  # init, batches, re-seeding
     fresh = range(runs.restart + (saved is not None), cfg.n_init)
-    init_rngs = {r: np.random.default_rng(np.random.SeedSequence(runs.seeds[r]).spawn(3)[0])
-                 for r in fresh}
+    init_rngs = {r: np.random.default_rng(streams[r][0]) for r in fresh}
     pos.at("init")
     samples = dict(zip(fresh, _init_samples(backend, cfg, [init_rngs[r] for r in fresh])))
     for restart in range(runs.restart, cfg.n_init):
         runs.restart = pos.restart = restart
-        _, batch_ss, reseed_ss = np.random.SeedSequence(runs.seeds[restart]).spawn(3)
+        _, batch_ss, reseed_ss = streams[restart]
         if saved is None:
             pos.at("init")
             centers, variance = _initial_centers(

@@ -32,12 +32,12 @@ import uuid
 from pathlib import Path
 
 import dask
-import psutil
 from distributed import LocalCluster, SpecCluster
 from distributed.deploy.spec import ProcessInterface
 from distributed.worker_memory import parse_memory_limit
 
 from ._connect import scheduler_http
+from ._orphan_guard import kill_children
 
 # A LocalCluster (scheduler and nannies in the driver's process) up to this
 # many workers; own processes beyond it (dkicf.cluster.separate-processes: auto).
@@ -66,7 +66,6 @@ def separate_processes(setting, workers: int) -> bool:
 
 
 def _worker_preloads() -> list[str]:
-
     preload = dask.config.get("distributed.worker.preload", None) or []
     preload = [preload] if isinstance(preload, str) else list(preload)
     # Ctrl-C is for the driver, which closes the cluster: the workers
@@ -124,7 +123,6 @@ def _unguarded_script() -> str | None:
 
 def _process_cluster(workers: int, threads: int, memory_limit, dashboard: bool):
     """Scheduler and nannies each in a process of their own (see the module docstring)."""
-
     with scheduler_http(dashboard), dask.config.set({"logging.distributed": "warning"}):
         # The driver's settings (dkicf's own and distributed's) go with the processes.
         env = {**os.environ,
@@ -199,7 +197,7 @@ class _SpecProcess(ProcessInterface):
     async def close(self) -> None:
         proc, self.process = self.process, None
         if proc is not None and proc.returncode is None:
-            _kill_tree(proc.pid)
+            kill_children(proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
@@ -208,16 +206,6 @@ class _SpecProcess(ProcessInterface):
     def __repr__(self) -> str:
         pid = None if self.process is None else self.process.pid
         return f"<{type(self).__name__}: pid={pid}>"
-
-
-def _kill_tree(pid: int) -> None:
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return
-    for child in children:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
 
 
 class _SchedulerProcess(_SpecProcess):

@@ -19,14 +19,17 @@ def _orphaned(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def _end(pid: int) -> None:
+def kill_children(pid: int) -> None:
+    """Kill every descendant of process ``pid`` (what is gone already is skipped)."""
     import psutil
 
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-    os._exit(0)
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def dask_setup(server) -> None:
@@ -37,6 +40,7 @@ def dask_setup(server) -> None:
 
     def check() -> None:
         if _orphaned(parent):
-            _end(os.getpid())
+            kill_children(os.getpid())
+            os._exit(0)
 
     server.periodic_callbacks["dkicf-orphan-guard"] = PeriodicCallback(check, _CHECK_MS)
