@@ -29,13 +29,12 @@ from ._cluster import get_client
 from ._factor import History, PivotBlock
 from ._memory import (
     _gib,
-    _worker_resources,
     _Workers,
     check_worker_memory,
     held_bytes,
+    measure_workers,
     task_budget,
     work_chunks,
-    worker_baseline,
 )
 from ._services import (
     ChunkBackend,
@@ -314,19 +313,22 @@ class DaskBackend:
     def __init__(
         self, X, kernel: Kernel, capacity: int, client, persist: bool, rebase_every: int = 25,
         salt="", store: _chunk.StoreSpec | None = None, restore: tuple | None = None,
+        workers: _Workers | None = None,
     ):
         import uuid
 
         import dask
 
         self.client = get_client(client)
+        # The fit's one measurement of the workers (its plan), else taken here.
+        self.workers = measure_workers(self.client) if workers is None else workers
         if X.numblocks[1] != 1:
             X = X.rechunk({1: -1})
         self.n, self.d = X.shape
         self.input_chunks = tuple(int(c) for c in X.chunks[0])
         check_worker_memory(
             self.client, self.input_chunks, self.d, X.dtype, capacity, store, persist,
-            hold_x=persist,
+            hold_x=persist, workers=self.workers,
         )
         # Consecutive row chunks are grouped into one task each, about one per
         # worker thread (as memory allows): the per-pass cost of the scheduler
@@ -336,7 +338,7 @@ class DaskBackend:
         # tasks run there, so no byte of X or P moves between workers.
         holders = _holders(self.client, X) if persist else None
         sizes = work_chunks(self.client, self.input_chunks, self.d, X.dtype, capacity, store,
-                            persist, holders)
+                            persist, holders, self.workers)
         input_starts = np.concatenate([[0], np.cumsum(self.input_chunks)]).astype(np.int64)
         held_chunks = None
         if holders is not None:
@@ -349,20 +351,7 @@ class DaskBackend:
         if len(sizes) < len(self.input_chunks):
             X = X.rechunk({0: sizes})
         self.chunks = tuple(int(c) for c in X.chunks[0])
-        # What a task may spend on a block's kernel columns (see BlockSizer):
-        # a share of what the workers' own memory and the held states leave.
-        workers = _Workers.of(self.client)
-        if workers is None:
-            self.task_bytes = float("inf")
-        else:
-            held = held_bytes(
-                max(workers.rows(self.n), max(self.chunks)), self.d, X.dtype.itemsize,
-                capacity, persist, None if store is None else store.columns,
-            )
-            self.task_bytes = task_budget(
-                workers.limits, [workers.threads], self.n, store,
-                baseline=workers.baseline, held=held,
-            )
+        self.task_bytes = self._task_bytes(X.dtype.itemsize, capacity, persist, store)
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
         first = np.searchsorted(input_starts, self.offsets[:-1])
         self._labels = [
@@ -389,7 +378,7 @@ class DaskBackend:
         # states, so the passes stay balanced.
         if self._home is None:
             self._home = _placement(self.client, self.chunks)
-        self._n_workers = len(_worker_resources(self.client)[0])
+        self._n_workers = self.workers.count
         # Keys of tasks submitted with a preferred worker, whose preference is
         # dropped once they have run (see _settle), and the watch of waiting
         # passes (see _on_stall).
@@ -529,10 +518,21 @@ class DaskBackend:
                 f"for has been held for {now - self._paused_since:.0f} s by worker "
                 f"{address}, which dask paused at {share} (its pause threshold) and whose "
                 "memory does not go down, so that no task runs there. The worker process "
-                f"itself uses about {_gib(worker_baseline(self.client))} of it. Give the "
+                f"itself uses about {_gib(self.workers.baseline)} of it. Give the "
                 "workers more memory (dkicf fit: --memory-limit), or add workers.",
                 "factorization", self.step,
             )
+
+    def _task_bytes(self, itemsize: int, capacity: int, persist: bool, store) -> float:
+        """What a task may spend on a block's kernel columns (see BlockSizer): a
+        share of what the workers' own memory and the held states leave."""
+        workers = self.workers
+        if not workers.limited:
+            return float("inf")
+        held = held_bytes(max(workers.rows(self.n), max(self.chunks)), self.d, itemsize,
+                          capacity, persist, None if store is None else store.columns)
+        return task_budget(workers.limits, [workers.threads], self.n, store,
+                           baseline=workers.baseline, held=held)
 
     def _settle(self) -> None:
         """After a pass (or rebase) completed: drop the worker preferences of the tasks

@@ -366,9 +366,8 @@ class _DaskBackend:
     the erred ones of a fit that failed and whose exception is still held.
     """
 
-    def __init__(self, P, client, persist: bool = True):
+    def __init__(self, P, client, persist: bool = True, limits: list[int] | None = None):
         import uuid
-
 
         self.token = uuid.uuid4().hex
         self.client = get_client(client)
@@ -378,7 +377,7 @@ class _DaskBackend:
         self.chunks = tuple(int(c) for c in P.chunks[0])
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
         if persist:
-            _check_fits(self.client, P)
+            _check_fits(self.client, P, limits)
             self.blocks = self.client.compute(list(P.to_delayed().ravel()))
         else:
             # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
@@ -486,9 +485,13 @@ class _DaskBackend:
         self.blocks = None
 
 
-def _check_fits(client, P) -> None:
-    """Refuse to hold a P larger than the cluster's memory (its workers would be killed)."""
-    limits, _ = _worker_resources(client)
+def _check_fits(client, P, limits: list[int] | None = None) -> None:
+    """Refuse to hold a P larger than the cluster's memory (its workers would be killed).
+
+    ``limits``: the workers' memory limits as the fit's plan measured them
+    (default: asked of ``client``)."""
+    if limits is None:
+        limits, _ = _worker_resources(client)
     if limits and all(limits):
         nbytes = int(np.prod(P.shape)) * P.dtype.itemsize
         if nbytes > sum(limits):
@@ -501,8 +504,8 @@ def _check_fits(client, P) -> None:
             )
 
 
-def _backend(P, client, persist: bool = True) -> KMeansBackend:
-    return _DaskBackend(P, client, persist) if is_dask_array(P) else _NumpyBackend(P)
+def _backend(P, client, persist: bool = True, limits: list[int] | None = None) -> KMeansBackend:
+    return _DaskBackend(P, client, persist, limits) if is_dask_array(P) else _NumpyBackend(P)
 
 
 def _full_pass(backend, centers: np.ndarray):

@@ -8,11 +8,8 @@ limits and threads and from their own measured memory.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import time
-from contextvars import ContextVar
 
 import numpy as np
 
@@ -41,31 +38,17 @@ logger = logging.getLogger(__name__)
 
 def _worker_resources(client) -> tuple[list[int], list[int]]:
     """Memory limits (0: none) and thread counts of the cluster's workers."""
-    info = _scheduler_info(client)
-    workers = list(info.get("workers", {}).values())
+    workers = list(_scheduler_info(client).get("workers", {}).values())
     return ([int(w.get("memory_limit") or 0) for w in workers],
             [int(w.get("nthreads") or 1) for w in workers])
 
 
 def _scheduler_info(client) -> dict:
-    """The scheduler's view of every worker; within a fit, at most one request per
-    :data:`_INFO_SECONDS` (a fit's set-up asks a dozen times in a row, and with
-    many workers each answer is large)."""
-    fit = _FIT_MEASUREMENTS.get()
-    key = ("scheduler_info", id(client))
-    if fit is not None and key in fit and time.monotonic() - fit[key][0] < _INFO_SECONDS:
-        return fit[key][1]
+    """The scheduler's view of every worker."""
     try:
-        info = client.scheduler_info(n_workers=-1)  # every worker, not only the first few
+        return client.scheduler_info(n_workers=-1)  # every worker, not only the first few
     except TypeError:  # distributed < 2025: all workers by default
-        info = client.scheduler_info()
-    if fit is not None:
-        fit[key] = (time.monotonic(), info)
-    return info
-
-
-# Seconds for which a fit reuses the scheduler's last answer about its workers.
-_INFO_SECONDS = 0.5
+        return client.scheduler_info()
 
 
 # Fraction of the cluster's memory that the states of a Zarr-backed P may hold
@@ -99,31 +82,6 @@ _STATE_VECTORS = 4
 _P_ROWS = 8192
 # Bytes of flushed P columns a task reads from Zarr at once.
 _STREAM_BYTES = 32 << 20
-
-
-# The workers' measurements of the fit in progress (see one_measurement), by
-# client and workers; None outside a fit, where every call measures anew.
-_FIT_MEASUREMENTS: ContextVar[dict | None] = ContextVar("dkicf_fit_measurements",
-                                                         default=None)
-
-
-@contextlib.contextmanager
-def one_measurement():
-    """Within it, the workers are measured once: a fit's plan and its checks see the same figures.
-
-    The entry points of a fit (:func:`dkicf.incomplete_cholesky`,
-    :func:`dkicf.kmeans`, the estimator, the pipeline) run inside it, also as
-    a decorator; nested, the outermost one holds the measurement.  A worker
-    that joins or leaves is a new set of workers, measured anew.
-    """
-    if _FIT_MEASUREMENTS.get() is not None:
-        yield
-        return
-    token = _FIT_MEASUREMENTS.set({})
-    try:
-        yield
-    finally:
-        _FIT_MEASUREMENTS.reset(token)
 
 
 # Modules whose import a fit's tasks pay on a worker (part of its own memory).
@@ -178,33 +136,32 @@ def _reported_baseline(info: dict) -> int:
     return max([max(v, 0) for v in found], default=0)
 
 
-def _measure(client) -> dict:
-    """``{"own": bytes or None, "fraction": float or None, "info": scheduler info}``.
-
-    Measured on the workers with :func:`_probe`, once per fit and set of
-    workers (:func:`one_measurement`).
-    """
-    info = _scheduler_info(client)
-    workers = tuple(sorted(info.get("workers", {})))
+def _measure(client, info: dict | None = None) -> dict:
+    """``{"own": bytes or None, "fraction": float or None, "info": scheduler info}``,
+    probed on the workers with :func:`_probe`."""
+    info = _scheduler_info(client) if info is None else info
     run = getattr(client, "run", None)
-    if run is None or not workers:
+    if run is None or not info.get("workers"):
         return {"own": None, "fraction": None, "info": info}
-    fit = _FIT_MEASUREMENTS.get()
-    key = (id(client), workers)
-    if fit is None or key not in fit:
-        try:
-            found = run(_probe)
-        except Exception:  # a worker that left meanwhile, or remote functions refused
-            found = {}
-        probes = [v for v in found.values() if isinstance(v, dict)]
-        measured = {
-            "own": max((int(v["own"]) for v in probes), default=None),
+    try:
+        found = run(_probe)
+    except Exception:  # a worker that left meanwhile, or remote functions refused
+        found = {}
+    probes = [v for v in found.values() if isinstance(v, dict)]
+    return {"own": max((int(v["own"]) for v in probes), default=None),
             "fraction": min((float(v["fraction"]) for v in probes), default=None),
-        }
-        if fit is None:
-            return {**measured, "info": info}
-        fit[key] = measured
-    return {**fit[key], "info": info}
+            "info": info}
+
+
+def _baseline_of(found: dict) -> int:
+    return found["own"] if found["own"] is not None else _reported_baseline(found["info"])
+
+
+def _fraction_of(found: dict | None) -> float:
+    driver = usable_memory_fraction()
+    if _configured_here() or found is None or found["fraction"] is None:
+        return driver
+    return found["fraction"]
 
 
 def worker_baseline(client) -> int:
@@ -214,9 +171,8 @@ def worker_baseline(client) -> int:
     that the fit's tasks import: resident memory less the data dask manages
     there.  A dask worker with numpy, zarr and dkicf loaded uses about
     150 MiB this way.  Falls back to the unmanaged memory that the workers
-    last reported to the scheduler, then to 0.  Within a fit
-    (:func:`one_measurement`) it is measured once, so that the fit's plan
-    and its checks agree.
+    last reported to the scheduler, then to 0.  A fit measures it once, in
+    its plan (:func:`measure_workers`).
 
     Parameters
     ----------
@@ -228,8 +184,7 @@ def worker_baseline(client) -> int:
     int
         Bytes, the largest over the workers.
     """
-    found = _measure(client)
-    return found["own"] if found["own"] is not None else _reported_baseline(found["info"])
+    return _baseline_of(_measure(client))
 
 
 def worker_memory_fraction(client) -> float:
@@ -250,11 +205,9 @@ def worker_memory_fraction(client) -> float:
     -------
     float
     """
-    driver = usable_memory_fraction()
     if _configured_here():
-        return driver
-    measured = _measure(client)["fraction"]
-    return driver if measured is None else measured
+        return usable_memory_fraction()
+    return _fraction_of(_measure(client))
 
 
 def _configured_here() -> bool:
@@ -276,31 +229,39 @@ def _configured_here() -> bool:
 
 
 class _Workers:
-    """The figures of a cluster's workers that the memory accounting uses.
+    """One measurement of a cluster's workers: what the memory accounting uses.
 
-    ``limit`` is the smallest worker's memory limit, ``threads`` the most
-    threads of a worker, ``share`` the largest fraction of the cluster's
+    ``limits`` and ``nthreads`` (by address) are every worker's memory limit
+    (0: none) and threads.  ``limit`` is the smallest limit, ``threads`` the
+    most threads of a worker, ``share`` the largest fraction of the cluster's
     threads on one worker (its fraction of the rows), ``baseline`` the
-    largest worker's own memory and ``fraction`` the share of a limit that
-    a fit may fill (:func:`worker_memory_fraction`).
+    largest worker's own memory and ``fraction`` the share of a limit that a
+    fit may fill (:func:`worker_memory_fraction`).  A fit takes it once, in
+    its plan (:func:`measure_workers`), and its checks read it from there.
     """
 
-    def __init__(self, limits, threads, baseline: int, fraction: float | None = None):
+    def __init__(self, limits, threads, baseline: int, fraction: float | None = None,
+                 nthreads: dict | None = None):
         self.limits = [int(v) for v in limits]
-        self.limit = min(self.limits)
+        self.limit = min(self.limits, default=0)
         self.count = len(self.limits)
-        self.threads = max(1, max(threads))
-        self.share = self.threads / max(sum(threads), 1)
+        self.threads = max(1, max(threads, default=1))
+        self.total_threads = max(1, sum(threads))
+        self.share = self.threads / self.total_threads
         self.baseline = int(baseline)
         self.fraction = usable_memory_fraction() if fraction is None else fraction
+        self.nthreads = dict(nthreads or {})
+
+    @property
+    def limited(self) -> bool:
+        """Whether every worker has a memory limit (else nothing is decided from memory)."""
+        return bool(self.limits) and all(v > 0 for v in self.limits)
 
     @classmethod
     def of(cls, client) -> _Workers | None:
         """The cluster's figures, or None when a worker has no memory limit."""
-        limits, threads = _worker_resources(client)
-        if not limits or not all(v > 0 for v in limits):
-            return None
-        return cls(limits, threads, worker_baseline(client), worker_memory_fraction(client))
+        workers = measure_workers(client)
+        return workers if workers.limited else None
 
     @property
     def room(self) -> float:
@@ -317,6 +278,32 @@ class _Workers:
             return "all of", ""
         return (f"{self.fraction:.0%} of",
                 ", at which dask starts spilling to disk or pausing the worker")
+
+
+def measure_workers(client) -> _Workers:
+    """Measure the cluster's workers once: limits, threads and, with limits, their own memory.
+
+    One request to the scheduler and, when every worker has a memory limit,
+    one probe of the workers (:func:`worker_baseline`,
+    :func:`worker_memory_fraction`).  A fit does this once, for its plan
+    (:class:`dkicf._plan.FitPlan`), and hands the result down.
+    """
+    info = _scheduler_info(client)
+    found = info.get("workers", {})
+    limits = [int(w.get("memory_limit") or 0) for w in found.values()]
+    threads = [int(w.get("nthreads") or 1) for w in found.values()]
+    baseline, fraction = 0, None
+    if limits and all(v > 0 for v in limits):
+        measured = _measure(client, info)
+        baseline, fraction = _baseline_of(measured), _fraction_of(measured)
+    return _Workers(limits, threads, baseline, fraction, dict(zip(found, threads)))
+
+
+def _limited(client, workers: _Workers | None) -> _Workers | None:
+    """The fit's measurement (``workers``), else a new one of ``client``; None without limits."""
+    if workers is None:
+        return _Workers.of(client)
+    return workers if workers.limited else None
 
 
 def usable_memory_fraction() -> float:
@@ -455,7 +442,8 @@ def least_limit(workers: _Workers, n: int, cap: int) -> float:
     return max((room + workers.baseline) / workers.fraction, hold)
 
 
-def store_columns(client, n: int, capacity: int, largest: int) -> int:
+def store_columns(client, n: int, capacity: int, largest: int, *,
+                  workers: _Workers | None = None) -> int:
     """Columns per Zarr chunk of P when P lives in Zarr: as many as memory allows.
 
     Between passes every chunk keeps fewer than this many columns of P in
@@ -464,7 +452,7 @@ def store_columns(client, n: int, capacity: int, largest: int) -> int:
     flushed columns.  The width is the largest, up to ``largest``, for
     which all that fits what the workers' own memory leaves below dask's
     spill threshold (:func:`zarr_width`).  Without memory limits it is
-    ``largest``.
+    ``largest``.  ``workers``: the fit's measurement (default: measure ``client``).
 
     Raises
     ------
@@ -473,7 +461,7 @@ def store_columns(client, n: int, capacity: int, largest: int) -> int:
         much memory a worker needs at least.
     """
     cap = max(1, min(largest, capacity))
-    workers = _Workers.of(client)
+    workers = _limited(client, workers)
     if workers is None:
         return cap
     rows = workers.rows(n)
@@ -520,7 +508,8 @@ def _p_rows(chunks) -> int:
 
 
 def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
-                hold_x: bool = False, homes: list | None = None) -> tuple[int, ...]:
+                hold_x: bool = False, homes: list | None = None,
+                workers: _Workers | None = None) -> tuple[int, ...]:
     """Row counts of the tasks of one pass: consecutive chunks of X grouped.
 
     About one group per worker thread, each allocating at most
@@ -532,11 +521,11 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
     of X.  ``homes`` (the worker holding each chunk, for X in worker
     memory): only neighbours on the same worker are grouped, each run of
     them into about its worker's threads times its share of that worker's
-    rows.
+    rows.  ``workers``: the fit's measurement (default: measure ``client``).
     """
     chunks = tuple(int(c) for c in chunks)
-    limits, threads = _worker_resources(client)
-    n_threads = max(1, sum(threads))
+    measured = measure_workers(client) if workers is None else workers
+    n_threads = measured.total_threads
     m = len(chunks)
     if homes is None and m <= n_threads:
         return chunks
@@ -544,7 +533,7 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
     columns = None if store is None else store.columns
     starts = np.concatenate([[0], np.cumsum(chunks)])
     n = int(starts[-1])
-    workers = _Workers.of(client)
+    workers = measured if measured.limited else None
     transient = None
     if workers is not None:
         held = held_bytes(max(workers.rows(n), max(chunks)), d, itemsize, capacity,
@@ -574,7 +563,6 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
 
     if homes is None:
         return cut(chunks, n_threads)
-    info = _scheduler_info(client).get("workers", {})
     held: dict = {}
     for c, h in zip(chunks, homes):
         held[h] = held.get(h, 0) + c
@@ -585,7 +573,7 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
         while k < m and homes[k] == homes[j]:
             k += 1
         run = chunks[j:k]
-        own = int((info.get(homes[j]) or {}).get("nthreads") or 1)
+        own = int(measured.nthreads.get(homes[j]) or 1)
         share = max(1, round(own * sum(run) / max(held[homes[j]], 1)))
         out += cut(run, share)
         j = k
@@ -593,7 +581,7 @@ def work_chunks(client, chunks, d: int, dtype, capacity: int, store,
 
 
 def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, persist: bool,
-                        *, hold_x: bool | None = None):
+                        *, hold_x: bool | None = None, workers: _Workers | None = None):
     """Refuse, before any work, a fit whose data cannot fit in the workers' memory.
 
     A worker holds its own memory (:func:`worker_baseline`), the chunk
@@ -604,9 +592,10 @@ def check_worker_memory(client, chunks, d: int, dtype, capacity: int, store, per
     limit (:func:`memory_fits`).  The message says what to change: smaller
     row chunks, P in Zarr, or more memory.  ``hold_x`` says whether X is
     held in worker memory (default: ``persist`` with P in memory; a
-    Zarr-backed fit's caller says so itself).
+    Zarr-backed fit's caller says so itself).  ``workers``: the fit's
+    measurement (default: measure ``client``).
     """
-    workers = _Workers.of(client)
+    workers = _limited(client, workers)
     if workers is None:
         return
     itemsize = np.dtype(dtype).itemsize

@@ -9,13 +9,14 @@ is in :mod:`dkicf._memory`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from . import _memory
 from ._cluster import all_workers
 from ._memory import (
     _Workers,
     held_bytes,
+    measure_workers,
     largest_rows,
     least_limit,
     memory_fits,
@@ -25,7 +26,7 @@ from ._memory import (
     zarr_width,
 )
 
-__all__ = ["FitPlan", "plan_fit"]
+__all__ = ["FitPlan", "plan_fit", "plan_for_cluster"]
 
 
 # Fraction of a worker's memory limit that one task may use, and of the
@@ -34,7 +35,7 @@ _TASK_FRACTION = 0.5
 _HOLD_FRACTION = 0.6
 
 
-@dataclass
+@dataclass(frozen=True)
 class FitPlan:
     """Memory estimates of a fit and the decisions taken from them.
 
@@ -44,6 +45,10 @@ class FitPlan:
     Zarr, the flushed columns it streams.  ``worker_baseline`` is the memory
     a worker uses before holding any of the fit's data (None: not measured)
     and ``p_columns`` the columns of P per Zarr chunk (with P in Zarr).
+    ``workers`` is the one measurement of the cluster's workers
+    (:func:`dkicf._memory.measure_workers`, None for no cluster) that the
+    fit's engine and k-means check against: a fit computes its plan once
+    and hands it down (``plan=``), so the workers are asked once.
     """
 
     n_samples: int
@@ -62,6 +67,13 @@ class FitPlan:
     rechunked: bool = False
     worker_baseline: int | None = None
     p_columns: int | None = None
+    workers: _Workers | None = field(default=None, repr=False, compare=False)
+
+    def attrs(self) -> dict:
+        """The plan as JSON-able attributes (the measurement left out)."""
+        out = asdict(self)
+        out.pop("workers", None)
+        return out
 
     def lines(self) -> list[str]:
         def gb(b):
@@ -114,6 +126,7 @@ def plan_fit(
     persist: str = "auto",
     worker_baseline: int | None = None,
     memory_fraction: float | None = None,
+    workers: _Workers | None = None,
 ) -> FitPlan:
     """Estimate the memory of a fit and decide chunking, X residency and P storage.
 
@@ -146,6 +159,9 @@ def plan_fit(
         Fraction of a worker's limit that the fit may fill, as the workers
         use it (:func:`dkicf._memory.worker_memory_fraction`); default
         :func:`~dkicf._memory.usable_memory_fraction`.
+    workers : optional
+        The measurement these figures come from (:func:`plan_for_cluster`),
+        kept in the plan for the fit's checks.
 
     Raises
     ------
@@ -163,7 +179,8 @@ def plan_fit(
     hold_fraction = min(_HOLD_FRACTION, usable)
     base = dict(n_samples=n, n_features=d, rank=s, x_bytes=x_bytes, p_bytes=p_bytes,
                 worker_memory=worker_memory, cluster_memory=cluster_memory,
-                threads_per_worker=threads_per_worker, worker_baseline=worker_baseline)
+                threads_per_worker=threads_per_worker, worker_baseline=worker_baseline,
+                workers=workers)
     if not worker_memory:
         return FitPlan(
             chunk_rows=chunk_rows, n_chunks=math.ceil(n / chunk_rows),
@@ -175,6 +192,37 @@ def plan_fit(
                        worker_baseline or 0, usable)
     return _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
                             hold_fraction, base)
+
+
+def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: int,
+                     rank: int, *, p_storage: str = "auto", persist: str = "auto",
+                     decide: bool = True) -> FitPlan:
+    """:func:`plan_fit` on a cluster's workers, measured once here (None: no cluster).
+
+    The plan keeps the measurement (``FitPlan.workers``); the fit hands the
+    plan to :func:`dkicf.incomplete_cholesky` and :func:`dkicf.kmeans`, whose
+    checks read it instead of asking the workers again.  ``decide=False``:
+    the caller's ``p_storage`` and ``persist`` stand as given, and the
+    engine's checks refuse what does not fit (the estimator's fits).
+    """
+    if client is None:
+        return plan_fit(shape, chunk_rows, itemsize, rank, p_storage=p_storage,
+                        persist=persist)
+    workers = measure_workers(client)
+    if not workers.count:
+        raise RuntimeError(
+            "the dask cluster has no workers; start some or wait for them before fitting."
+        )
+    limited = workers.limited and decide
+    return plan_fit(
+        shape, chunk_rows, itemsize, rank,
+        worker_memory=workers.limit if limited else None, n_workers=workers.count,
+        threads_per_worker=workers.threads, p_storage=p_storage, persist=persist,
+        # What the workers use themselves, and the share of their limit dask
+        # lets a fit fill, as measured on them.
+        worker_baseline=workers.baseline if limited else None,
+        memory_fraction=workers.fraction if limited else None, workers=workers,
+    )
 
 
 def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,

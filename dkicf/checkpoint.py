@@ -384,6 +384,7 @@ def open_storage(
     storage_options: dict | None = None,
     p_storage: str = "auto",
     persist: bool = True,
+    workers: _memory._Workers | None = None,
 ):
     """Check and create (or open, to resume) the Zarr storage of one factorization.
 
@@ -432,13 +433,15 @@ def open_storage(
         if p_store is None:
             in_memory = _p_in_memory(
                 p_storage, checkpoint, resume, opts, get_client(client), chunks, d, X.dtype,
-                capacity, persist,
+                capacity, persist, workers,
             )
         if not in_memory:  # tails of P between passes: as many columns as memory allows
-            cb = store_columns(get_client(client), n, capacity, _memory.COLUMN_BLOCK)
+            cb = store_columns(get_client(client), n, capacity, _memory.COLUMN_BLOCK,
+                               workers=workers)
             # Before any pass over the data (the fingerprint's is the first).
             spec = _chunk.StoreSpec("", "P", token, cb)
-            check_worker_memory(get_client(client), chunks, d, X.dtype, capacity, spec, True)
+            check_worker_memory(get_client(client), chunks, d, X.dtype, capacity, spec, True,
+                                workers=workers)
     else:
         chunks, p_rows = (n,), min(n, _ROWS_HIGH)
     if p_store is not None:
@@ -488,7 +491,7 @@ def open_storage(
 
 
 def _p_in_memory(p_storage, checkpoint, resume, options, client, chunks, d, dtype, capacity,
-                 persist) -> bool:
+                 persist, workers=None) -> bool:
     """Whether a checkpointed dask fit keeps P in worker memory (see open_storage)."""
 
     if p_storage == "auto" and resume:
@@ -501,10 +504,10 @@ def _p_in_memory(p_storage, checkpoint, resume, options, client, chunks, d, dtyp
     if p_storage == "zarr":
         return False
     if p_storage == "memory":
-        check_worker_memory(client, chunks, d, dtype, capacity, None, persist)
+        check_worker_memory(client, chunks, d, dtype, capacity, None, persist, workers=workers)
         return True
     try:
-        check_worker_memory(client, chunks, d, dtype, capacity, None, persist)
+        check_worker_memory(client, chunks, d, dtype, capacity, None, persist, workers=workers)
     except ValueError as exc:
         logger.info("P does not fit the workers' memory (%s): kept in the checkpoint", exc)
         return False

@@ -17,7 +17,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from . import io
 from ._chunk import check_finite
 from ._factor import ICFResult, _transform_block
-from ._memory import one_measurement
+from ._cluster import get_client
+from ._plan import plan_for_cluster
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from ._version import __version__
 from .icf import incomplete_cholesky
@@ -276,7 +277,6 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         """Fit and return the labels (a dask array, not gathered, for dask input)."""
         return self.fit(X, progress=progress).labels_
 
-    @one_measurement()
     def _fit(self, X, progress=None):
         dask_input = is_dask_array(X)
         if dask_input:
@@ -290,6 +290,12 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         self._check_params(X.shape[0])
         icf_seed, km_seed = self._seeds()
         progress = _verbose_progress(self.verbose, progress)
+        client = plan = None
+        if dask_input:  # the workers measured once, for both stages
+            client = get_client()
+            plan = plan_for_cluster(client, X.shape, X.chunks[0][0], X.dtype.itemsize,
+                                    self.rank, p_storage="memory",
+                                    persist="yes" if self.persist else "no", decide=False)
         icf = incomplete_cholesky(
             X,
             kernel=self._kernel_arg(),
@@ -302,6 +308,8 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
             persist=self.persist,
             random_state=icf_seed,
             progress=progress,
+            client=client,
+            plan=plan,
         )
         km = kmeans(
             icf.P,
@@ -314,6 +322,8 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
             tol=self.kmeans_tol,
             random_state=km_seed,
             progress=progress,
+            client=client,
+            plan=plan,
         )
         self._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
         if self.verbose:

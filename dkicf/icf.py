@@ -29,7 +29,9 @@ import numpy as np
 from . import pivoting as _pivoting
 from ._backends import DaskBackend, FactorBackend, NumpyBackend
 from ._factor import History, ICFProgress, ICFResult, PivotBlock, cut_factor
-from ._memory import one_measurement
+from ._cluster import get_client
+from ._memory import _Workers, measure_workers
+from ._plan import FitPlan
 from ._validation import check_array_2d, is_dask_array
 from .checkpoint import open_storage
 from .errors import DegenerateKernelWarning, worker_failure, worker_failure_types
@@ -53,40 +55,30 @@ def _check_int(value, name, low=1):
     return int(value)
 
 
-@one_measurement()
 def incomplete_cholesky(
     X,
     *,
     kernel: str | Callable | Kernel = "gaussian",
     gamma: float | str | None = None,
-    degree: int = 3,
-    coef0: float = 1.0,
-    max_rank: int = 100,
-    tol: float = 1e-3,
-    rank_tol: float | None = None,
-    client=None,
-    persist: bool = True,
+    degree: int = 3, coef0: float = 1.0,
+    max_rank: int = 100, tol: float = 1e-3, rank_tol: float | None = None,
+    client=None, persist: bool = True,
     random_state: int | None = 0,
     progress: Callable[[ICFProgress], None] | None = None,
-    pivoting: str = "block-greedy",
-    block_size: int | None = None,
-    block_delta: float = 0.0,
+    pivoting: str = "block-greedy", block_size: int | None = None, block_delta: float = 0.0,
     p_store: str | None = None,
-    checkpoint: str | None = None,
-    checkpoint_every: int = 25,
-    p_storage: str = "auto",
-    resume: bool = False,
-    overwrite: bool = False,
+    checkpoint: str | None = None, checkpoint_every: int = 25,
+    p_storage: str = "auto", resume: bool = False, overwrite: bool = False,
     storage_options: dict | None = None,
+    plan: FitPlan | None = None,
 ) -> ICFResult:
     """Incomplete Cholesky factorization ``K ~ P P^T`` of a kernel matrix.
 
     The paper's Algorithm 1: from ``e = diag(K)``, each iteration takes the
-    row ``t`` of largest residual (ties to the lowest index), ``nu =
-    sqrt(e[t])``, appends ``p = (K[:, t] - P P[t]^T) / nu`` to P and updates
-    ``e -= p**2``; it stops at ``max_rank`` columns, at a trace error
-    ``sum(e) <= tol``, or at the numerical rank of K.  K is never formed:
-    ``O(n s (d + s))`` time, ``O(n s)`` memory.
+    row ``t`` of largest residual (ties to the lowest index), appends ``p =
+    (K[:, t] - P P[t]^T) / sqrt(e[t])`` to P and updates ``e -= p**2``,
+    until ``max_rank`` columns, a trace error ``sum(e) <= tol`` or the
+    numerical rank of K.  K is never formed: ``O(n s (d + s))`` time.
 
     Parameters
     ----------
@@ -102,16 +94,14 @@ def incomplete_cholesky(
     max_rank : int, default=100
         Largest number of columns of P (the paper's ``s``).
     tol : float, default=1e-3
-        Stop once the trace error ``tr(K - P P^T)`` is ``<= tol`` (absolute,
-        as the paper's epsilon).
+        Stop at a trace error ``tr(K - P P^T) <= tol`` (the paper's epsilon).
     rank_tol : float, optional
         A largest residual ``<= rank_tol`` is rounding noise and ends the
         factorization (default: LAPACK's rule, ``eps * max(diag K) * max(n, c)``).
     client : distributed.Client or str, optional
         Cluster for dask input (default: the current client).
     persist : bool, default=True
-        Dask input only: keep X's chunks in worker memory, or re-read them
-        from their source on every pass (data larger than the cluster).
+        Dask input: keep X's chunks in worker memory, else re-read them each pass.
     random_state : int, optional
         Seed of the median heuristic's sample and of RPCholesky's pivots.
     progress : callable, optional
@@ -138,6 +128,8 @@ def incomplete_cholesky(
         anything else.  See ``docs/checkpoints.md``.
     p_storage : {"auto", "memory", "zarr"}, default="auto"
         With ``checkpoint``: P in worker memory, in the checkpoint, or either.
+    plan : FitPlan, optional
+        The fit's plan, whose measurement of the workers the checks use.
 
     Returns
     -------
@@ -146,11 +138,9 @@ def incomplete_cholesky(
     Examples
     --------
     >>> import numpy as np
-    >>> from dkicf import incomplete_cholesky
     >>> X = np.random.default_rng(0).normal(size=(200, 2))
-    >>> res = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=20)
-    >>> seq = incomplete_cholesky(X, kernel="gaussian", gamma=0.5, max_rank=20,
-    ...                           pivoting="greedy")  # the paper's loop, one pass per pivot
+    >>> res = incomplete_cholesky(X, gamma=0.5, max_rank=20)
+    >>> seq = incomplete_cholesky(X, gamma=0.5, max_rank=20, pivoting="greedy")
     >>> bool(np.array_equal(res.pivots, seq.pivots)), res.n_passes < seq.n_passes
     (True, True)
     """
@@ -163,10 +153,11 @@ def incomplete_cholesky(
                                                      block_delta, random_state)
     kernel_obj = _resolve_kernel(X, kernel, gamma, degree, coef0, random_state)
     _check_p_storage(p_storage, p_store, checkpoint, dask_input)
+    client, workers = _cluster_of(dask_input, client, plan)
     storage = None
     if p_store is not None or checkpoint is not None:
         X, storage = _open_storage(
-            X, dask_input, kernel_obj, rule, capacity, persist, client, p_storage,
+            X, dask_input, kernel_obj, rule, capacity, persist, client, workers, p_storage,
             p_store=p_store, checkpoint=checkpoint, every=checkpoint_every, resume=resume,
             overwrite=overwrite, storage_options=storage_options,
             fit={"max_rank": max_rank, "tol": tol, "rank_tol": rank_tol,
@@ -175,7 +166,8 @@ def incomplete_cholesky(
         )
         if storage.finished:
             return storage.load_result(kernel_obj, dask_input)
-    backend = _make_backend(X, dask_input, kernel_obj, capacity, client, persist, storage)
+    backend = _make_backend(X, dask_input, kernel_obj, capacity, client, workers, persist,
+                            storage)
     result = _run_loop(backend, rule, kernel_obj, n, d, capacity, tol, rank_tol, progress,
                        storage)
     if storage is not None:
@@ -196,14 +188,25 @@ def _make_rule(X, tol, capacity, pivoting, block_size, block_delta, random_state
     return name, block_size, block_delta, rule
 
 
-def _open_storage(X, dask_input, kernel, rule, capacity, persist, client, p_storage, *,
-                  fit: dict, **where):
+def _cluster_of(dask_input: bool, client, plan: FitPlan | None):
+    """The fit's client and its one measurement of the workers (None, None for numpy)."""
+    if not dask_input:
+        return None, None
+    client = get_client(client)
+    if plan is not None and plan.workers is not None:
+        return client, plan.workers
+    return client, measure_workers(client)
+
+
+def _open_storage(X, dask_input, kernel, rule, capacity, persist, client, workers, p_storage,
+                  *, fit: dict, **where):
     """P's store or the checkpoint, opened (or claimed) for this fit's parameters."""
     params = {**kernel.get_params(), **fit}
     if rule.one_per_pass:  # the block parameters shape the blocks, hence the pivots
         del params["block_size"], params["block_delta"]
     return open_storage(X, dask_input=dask_input, capacity=capacity, params=params,
-                        client=client, p_storage=p_storage, persist=persist, **where)
+                        client=client, workers=workers, p_storage=p_storage,
+                        persist=persist, **where)
 
 
 def _run_loop(backend, rule, kernel, n, d, capacity, tol, rank_tol, progress, storage):
@@ -224,13 +227,14 @@ def _run_loop(backend, rule, kernel, n, d, capacity, tol, rank_tol, progress, st
         backend.close()
 
 
-def _make_backend(X, dask_input, kernel, capacity, client, persist, storage) -> FactorBackend:
+def _make_backend(X, dask_input, kernel, capacity, client, workers: _Workers | None, persist,
+                  storage) -> FactorBackend:
     """The backend of the fit, its chunk states new or rebuilt from the storage's commit."""
     restore = None if storage is None else storage.restore_point
     if dask_input:
         backend = DaskBackend(X, kernel, capacity, client, persist,
                               store=None if storage is None else storage.p_spec,
-                              restore=restore)
+                              restore=restore, workers=workers)
     else:
         backend = NumpyBackend(X, kernel, capacity, restore=restore, checked=True)
     if storage is not None:

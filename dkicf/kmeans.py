@@ -52,7 +52,6 @@ from ._kmeans_runs import (
     _worker_failure,
 )
 from ._kmeans_tasks import _backend, _full_pass
-from ._memory import one_measurement
 from ._validation import check_array_2d, check_positive_int
 from .errors import worker_failure, worker_failure_types
 
@@ -67,28 +66,19 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- public API
 
 
-@one_measurement()
 def kmeans(
     P,
     n_clusters: int,
     *,
     algorithm: str = "minibatch-lloyd",
     init: str | np.ndarray = "k-means||",
-    batch_size: int = 1024,
-    n_init: int = 5,
-    max_iter: int = 100,
-    tol: float = 1e-4,
-    max_no_improvement: int | None = 10,
-    init_size: int | None = None,
-    random_state: int | np.random.Generator | None = None,
-    client=None,
+    batch_size: int = 1024, n_init: int = 5, max_iter: int = 100, tol: float = 1e-4,
+    max_no_improvement: int | None = 10, init_size: int | None = None,
+    random_state: int | np.random.Generator | None = None, client=None,
     progress: Callable[[KMeansProgress], None] | None = None,
-    checkpoint: str | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    storage_options: dict | None = None,
-    persist: bool = True,
+    checkpoint: str | None = None, checkpoint_every: int | None = None,
+    resume: bool = False, overwrite: bool = False, storage_options: dict | None = None,
+    persist: bool = True, plan=None,
 ) -> KMeansResult:
     """K-means on the rows of P, in memory or on a dask cluster.
 
@@ -148,6 +138,8 @@ default="k-means||"
         Dask P only: hold P's chunks in worker memory (refused before any
         task if they do not fit), or (``False``) read each chunk from P's
         source in every task, for a P larger than the cluster's memory.
+    plan : FitPlan, optional
+        The fit's plan, whose measurement of the workers the checks use.
 
     Returns
     -------
@@ -180,7 +172,8 @@ default="k-means||"
     checkpoint_every = _check_run_args(checkpoint, checkpoint_every, resume, overwrite, persist)
     seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max,
                                                          size=cfg.n_init)
-    backend = _backend(P, client, persist)
+    workers = None if plan is None else plan.workers
+    backend = _backend(P, client, persist, None if workers is None else workers.limits)
     pos, ckpt = _Position(cfg.n_init), None
     try:
         if checkpoint is not None:

@@ -10,13 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import numpy as np
 
 from . import io
-from ._memory import one_measurement, worker_baseline, worker_memory_fraction
-from ._plan import FitPlan, _worker_resources, plan_fit
+from ._plan import FitPlan, _worker_resources, plan_fit, plan_for_cluster  # noqa: F401
 from .estimator import KernelKMeans, _model_arrays_attrs, load
 from .icf import incomplete_cholesky
 from .kmeans import kmeans
@@ -240,7 +238,6 @@ def _write_errors(store, out, checkpoint, params, save_p, storage_options):
         raise io.DkicfIOError(message + kept) from exc
 
 
-@one_measurement()
 def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, persist,
                  storage_options, progress, checkpoint, checkpoint_every, resume,
                  save_p) -> dict:
@@ -248,24 +245,14 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
     X, y, info = io.open_dataset(store, storage_options=storage_options)
     model = KernelKMeans(**params)
     model._check_params(X.shape[0])
-    if client is None:
-        if checkpoint is not None or p_storage == "zarr":
-            raise ValueError(
-                "a checkpoint, or P in Zarr, needs a dask cluster: pass client= (dkicf fit: "
-                "--scheduler or --cluster)."
-            )
-        worker_memory, n_workers, threads = None, 1, 1
-    else:
-        worker_memory, n_workers, threads = _worker_resources(client)
-    plan = plan_fit(
-        X.shape, X.chunks[0][0], X.dtype.itemsize, model.rank,
-        worker_memory=worker_memory, n_workers=n_workers, threads_per_worker=threads,
-        p_storage=p_storage, persist=persist,
-        # What the workers use themselves, and the share of their limit dask
-        # lets a fit fill, as measured on them.
-        worker_baseline=worker_baseline(client) if worker_memory else None,
-        memory_fraction=worker_memory_fraction(client) if worker_memory else None,
-    )
+    if client is None and (checkpoint is not None or p_storage == "zarr"):
+        raise ValueError(
+            "a checkpoint, or P in Zarr, needs a dask cluster: pass client= (dkicf fit: "
+            "--scheduler or --cluster)."
+        )
+    # The fit's one measurement of the workers, handed down to both stages.
+    plan = plan_for_cluster(client, X.shape, X.chunks[0][0], X.dtype.itemsize, model.rank,
+                            p_storage=p_storage, persist=persist)
     if plan.rechunked:
         logger.warning("re-chunking X to %d rows per chunk so a task fits a worker",
                        plan.chunk_rows)
@@ -283,7 +270,7 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
             X if client is not None else X.compute(scheduler="threads"),
             kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
             max_rank=model.rank, tol=model.tol, pivoting=model.pivoting, client=client,
-            persist=plan.persist_x,
+            persist=plan.persist_x, plan=plan,
             random_state=icf_seed, progress=progress,
             **_storage_args(plan, target, checkpoint, checkpoint_every, resume,
                             storage_options, p_storage),
@@ -296,7 +283,7 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
             icf.P, model.n_clusters, algorithm=model.algorithm, init=model.init,
             batch_size=model.batch_size,
             n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
-            random_state=km_seed, client=client, progress=progress,
+            random_state=km_seed, client=client, progress=progress, plan=plan,
             # A P kept in Zarr is larger than the cluster's memory: read, not held.
             persist=p_where != "zarr",
             **_kmeans_checkpoint_args(checkpoint, resume, storage_options),
@@ -312,7 +299,7 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
         model._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
         arrays, attrs = _model_arrays_attrs(model)
         attrs["input"] = _input_fingerprint(store, info, storage_options)
-        attrs["plan"] = asdict(plan)
+        attrs["plan"] = plan.attrs()
         t0 = time.perf_counter()
         io.write_dask(target, "labels", labels.astype(np.int32),
                       storage_options=storage_options)

@@ -441,7 +441,7 @@ def test_states_must_fit_below_dask_spilling_threshold(client, monkeypatch):
 
     # The workers' own memory, fixed: measured, it grows over a long session
     # of tests on the shared cluster, and the sizes below leave room for 0.2 GiB.
-    monkeypatch.setattr(_memory, "worker_baseline", lambda client: 200 * 2**20)
+    monkeypatch.setattr(_memory, "_baseline_of", lambda found: 200 * 2**20)
 
     assert usable_memory_fraction() == 0.6  # dask's default target
     # 900,000 rows x 180 columns: 1.37 GB of a 2 GiB worker (64%).

@@ -376,7 +376,7 @@ def test_workers_dying_again_and_again_fail_the_fit_instead_of_hanging(monkeypat
     assert time.monotonic() - started[0] < 90
 
 
-def test_a_fit_measures_its_workers_once_and_each_fit_anew():
+def test_one_measurement_holds_what_the_checks_use_and_each_call_measures_anew():
     class Counting(FakeClient):
         runs = 0
 
@@ -385,13 +385,48 @@ def test_a_fit_measures_its_workers_once_and_each_fit_anew():
             return {w: {"own": 100 * MiB * Counting.runs, "fraction": 0.6}
                     for w in self.workers}
 
-    client = Counting(2, 2**30)
-    with _memory.one_measurement():
-        first = _memory.worker_baseline(client)
-        with _memory.one_measurement():  # nested: the outer fit's measurement holds
-            assert _memory.worker_baseline(client) == first
-        assert _memory.worker_memory_fraction(client) == 0.6 and Counting.runs == 1
-        client.workers["tcp://w9"] = {"memory_limit": 2**30, "nthreads": 1}  # a worker joined
-        assert _memory.worker_baseline(client) == 200 * MiB and Counting.runs == 2
-    assert _memory.worker_baseline(client) == 300 * MiB  # outside a fit: measured anew
-    assert _memory.worker_baseline(client) == 400 * MiB
+    client = Counting(2, 2**30, threads=3)
+    measured = _memory.measure_workers(client)
+    assert Counting.runs == 1  # one probe gives the workers' own memory and threshold
+    assert (measured.baseline, measured.fraction, measured.limits) == (100 * MiB, 0.6,
+                                                                      [2**30, 2**30])
+    assert measured.nthreads == {"tcp://w0": 3, "tcp://w1": 3} and measured.total_threads == 6
+    # The checks read the measurement they are handed, and ask the client nothing.
+    _memory.check_worker_memory(None, (1000,) * 4, 2, np.float64, 10, None, True,
+                                workers=measured)
+    assert _memory.store_columns(None, 4000, 50, 32, workers=measured) == 32
+    assert Counting.runs == 1
+    assert _memory.worker_baseline(client) == 200 * MiB  # outside a fit: measured anew
+    unlimited = _memory.measure_workers(FakeClient(2, 0))
+    assert not unlimited.limited and unlimited.count == 2
+
+
+def test_a_fit_measures_its_workers_once_and_a_plan_handed_down_not_at_all(client, monkeypatch):
+    from dkicf import KernelKMeans
+    from dkicf._plan import plan_for_cluster
+
+    calls = []
+    measure = _memory.measure_workers
+
+    def counting(c):
+        calls.append(c)
+        return measure(c)
+
+    for module in (_memory, _backends):
+        monkeypatch.setattr(module, "measure_workers", counting)
+    from dkicf import _plan, icf
+
+    for module in (_plan, icf):
+        monkeypatch.setattr(module, "measure_workers", counting)
+    X = da.from_array(np.random.default_rng(0).normal(size=(600, 3)), chunks=200)
+    KernelKMeans(3, rank=20, gamma=0.5, random_state=0).fit(X)
+    assert len(calls) == 1  # the estimator's plan, for both stages
+    calls.clear()
+    plan = plan_for_cluster(client, X.shape, 200, 8, 20, decide=False)
+    assert len(calls) == 1 and plan.workers.count == 2
+    with pytest.raises(AttributeError):
+        plan.rank = 5  # frozen: computed once per fit
+    incomplete_cholesky(X, gamma=0.5, max_rank=20, client=client, plan=plan)
+    assert len(calls) == 1  # the plan's measurement, not a new one
+    incomplete_cholesky(X, gamma=0.5, max_rank=20, client=client)
+    assert len(calls) == 2  # without a plan: measured once at the start
