@@ -71,7 +71,6 @@ import time
 import numpy as np
 
 
-
 def say(*parts) -> None:
     """Print a line, and append it to ``$OUT/scaling.txt`` at once (a run cut short by a
     time limit still leaves what it printed there)."""

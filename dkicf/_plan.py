@@ -16,9 +16,9 @@ from ._cluster import all_workers
 from ._memory import (
     _Workers,
     held_bytes,
-    measure_workers,
     largest_rows,
     least_limit,
+    measure_workers,
     memory_fits,
     p_rows_for,
     pass_transient,

@@ -15,7 +15,6 @@ running scheduler, and its TLS settings, are :mod:`dkicf._connect`'s
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import math
@@ -23,7 +22,6 @@ import os
 import re
 import shlex
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any

@@ -16,8 +16,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from . import io
 from ._chunk import check_finite
-from ._factor import ICFResult, _transform_block
 from ._cluster import get_client
+from ._factor import ICFResult, _transform_block
 from ._plan import plan_for_cluster
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from ._version import __version__

@@ -28,8 +28,8 @@ import numpy as np
 
 from . import pivoting as _pivoting
 from ._backends import DaskBackend, FactorBackend, NumpyBackend
-from ._factor import History, ICFProgress, ICFResult, PivotBlock, cut_factor
 from ._cluster import get_client
+from ._factor import History, ICFProgress, ICFResult, PivotBlock, cut_factor
 from ._memory import _Workers, measure_workers
 from ._plan import FitPlan
 from ._validation import check_array_2d, is_dask_array
