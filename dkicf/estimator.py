@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numbers
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from sklearn.base import (
@@ -23,10 +25,10 @@ from ._validation import check_array_2d, check_positive_int, is_dask_array
 from ._version import __version__
 from .icf import incomplete_cholesky
 from .kernels import KERNELS, Kernel, make_kernel
-from .kmeans import ALGORITHMS, INITS, assign, kmeans
+from .kmeans import ALGORITHMS, INITS, KMeansResult, assign, kmeans
 from .pivoting import check_pivoting
 
-__all__ = ["KernelKMeans", "load"]
+__all__ = ["FitStages", "KernelKMeans", "check_fit_params", "fit_stages", "load"]
 
 _MODEL_ARRAYS = ("cluster_centers", "pivots", "pivot_rows", "cholesky_factor", "trace_errors")
 
@@ -288,44 +290,14 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
                               ensure_all_finite=False)
             X = check_array_2d(X, "X")
         self._check_params(X.shape[0])
-        icf_seed, km_seed = self._seeds()
-        progress = _verbose_progress(self.verbose, progress)
         client = plan = None
         if dask_input:  # the workers measured once, for both stages
             client = get_client()
             plan = plan_for_cluster(client, X.shape, X.chunks[0][0], X.dtype.itemsize,
                                     self.rank, p_storage="memory",
                                     persist="yes" if self.persist else "no", decide=False)
-        icf = incomplete_cholesky(
-            X,
-            kernel=self._kernel_arg(),
-            gamma=self.gamma,
-            degree=self.degree,
-            coef0=self.coef0,
-            max_rank=self.rank,
-            tol=self.tol,
-            pivoting=self.pivoting,
-            persist=self.persist,
-            random_state=icf_seed,
-            progress=progress,
-            client=client,
-            plan=plan,
-        )
-        km = kmeans(
-            icf.P,
-            self.n_clusters,
-            algorithm=self.algorithm,
-            init=self.init,
-            batch_size=self.batch_size,
-            n_init=self.n_init,
-            max_iter=self.max_iter,
-            tol=self.kmeans_tol,
-            random_state=km_seed,
-            progress=progress,
-            client=client,
-            plan=plan,
-        )
-        self._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
+        stages = fit_stages(self, X, client=client, plan=plan, progress=progress)
+        icf, km = stages.factor, stages.clustering
         if self.verbose:
             print(f"KernelKMeans: rank {icf.rank} ({icf.stop_reason}), trace error "
                   f"{float(icf.trace_errors[-1]) if icf.rank else icf.initial_trace:.4g}; "
@@ -484,6 +456,80 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
             arrays["labels"] = np.asarray(self.labels_, dtype=np.int32)
         io.write_group(path, arrays, attrs, kind="model", overwrite=overwrite,
                        storage_options=storage_options)
+
+
+@dataclass(frozen=True)
+class FitStages:
+    """What the two stages of one fit gave (see :func:`fit_stages`)."""
+
+    factor: ICFResult
+    clustering: KMeansResult
+    factor_seconds: float
+    kmeans_seconds: float
+
+
+def check_fit_params(model: KernelKMeans, n_samples: int) -> None:
+    """Refuse a model's parameters that cannot fit ``n_samples`` rows, naming the parameter.
+
+    :func:`fit_stages` does it first; a caller with work to do before the
+    fit (planning, claiming outputs) calls it before that work.
+    """
+    model._check_params(n_samples)
+
+
+def fit_stages(model: KernelKMeans, X, *, client=None, plan=None, progress=None,
+               factor_options: dict | None = None,
+               kmeans_options: dict | None = None) -> FitStages:
+    """The one composition of a fit: Algorithm 1, then k-means on the rows of P.
+
+    :meth:`KernelKMeans.fit` and :func:`dkicf.pipeline.fit_store` both fit
+    through it.  It checks ``model``'s parameters against X, draws both
+    stages' seeds from its ``random_state``, factorizes the kernel matrix of
+    X (:func:`dkicf.incomplete_cholesky`), clusters the rows of P
+    (:func:`dkicf.kmeans.kmeans`; P read from Zarr in every pass where the
+    factorization kept it there) and sets the model's fitted attributes
+    (``labels_`` is the caller's: the clustering's labels are returned).
+
+    Parameters
+    ----------
+    model : KernelKMeans
+    X : ndarray or dask array of shape (n_samples, n_features), checked
+    client, plan : optional
+        The dask cluster and the fit's plan (:func:`dkicf.pipeline.plan_fit`),
+        handed to both stages.
+    progress : callable, optional
+        As for :meth:`KernelKMeans.fit`, plus the lines of ``model.verbose``.
+    factor_options, kmeans_options : dict, optional
+        Further keyword arguments of each stage: X held or re-read, where P
+        is kept, checkpoints.
+
+    Returns
+    -------
+    FitStages
+    """
+    model._check_params(X.shape[0])
+    icf_seed, km_seed = model._seeds()
+    progress = _verbose_progress(model.verbose, progress)
+    t0 = time.perf_counter()
+    icf = incomplete_cholesky(
+        X, kernel=model._kernel_arg(), gamma=model.gamma, degree=model.degree,
+        coef0=model.coef0, max_rank=model.rank, tol=model.tol, pivoting=model.pivoting,
+        random_state=icf_seed, progress=progress, client=client, plan=plan,
+        **{"persist": model.persist, **(factor_options or {})},
+    )
+    t_icf = time.perf_counter() - t0
+    # A P kept in Zarr is larger than the cluster's memory: read, not held.
+    p_where = icf.info.get("p_storage", "memory" if plan is None else plan.p_storage)
+    t0 = time.perf_counter()
+    km = kmeans(
+        icf.P, model.n_clusters, algorithm=model.algorithm, init=model.init,
+        batch_size=model.batch_size, n_init=model.n_init, max_iter=model.max_iter,
+        tol=model.kmeans_tol, random_state=km_seed, progress=progress, client=client,
+        plan=plan, persist=p_where != "zarr", **(kmeans_options or {}),
+    )
+    model.n_features_in_ = X.shape[1]
+    model._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
+    return FitStages(icf, km, t_icf, time.perf_counter() - t0)
 
 
 def _verbose_progress(verbose: int, progress):

@@ -15,9 +15,7 @@ import numpy as np
 
 from . import io
 from ._plan import FitPlan, _worker_resources, plan_fit, plan_for_cluster  # noqa: F401
-from .estimator import KernelKMeans, _model_arrays_attrs, load
-from .icf import incomplete_cholesky
-from .kmeans import kmeans
+from .estimator import KernelKMeans, _model_arrays_attrs, check_fit_params, fit_stages, load
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +242,7 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
     """:func:`fit_store` once its locations are absolute, checked and claimed."""
     X, y, info = io.open_dataset(store, storage_options=storage_options)
     model = KernelKMeans(**params)
-    model._check_params(X.shape[0])
+    check_fit_params(model, X.shape[0])
     if client is None and (checkpoint is not None or p_storage == "zarr"):
         raise ValueError(
             "a checkpoint, or P in Zarr, needs a dask cluster: pass client= (dkicf fit: "
@@ -259,44 +257,29 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
         X = X.rechunk({0: plan.chunk_rows, 1: -1})
         if y is not None:
             y = y.rechunk({0: plan.chunk_rows})
-    icf_seed, km_seed = model._seeds()
     with io.staged_group(out, overwrite=overwrite, storage_options=storage_options) as target:
         # The group is built where it will be published: P, when it is kept in
         # Zarr, is written by the workers straight into it.
         io.write_members(target, {}, {}, kind="fit-in-progress",
                          storage_options=storage_options)
-        t0 = time.perf_counter()
-        icf = incomplete_cholesky(
-            X if client is not None else X.compute(scheduler="threads"),
-            kernel=model.kernel, gamma=model.gamma, degree=model.degree, coef0=model.coef0,
-            max_rank=model.rank, tol=model.tol, pivoting=model.pivoting, client=client,
-            persist=plan.persist_x, plan=plan,
-            random_state=icf_seed, progress=progress,
-            **_storage_args(plan, target, checkpoint, checkpoint_every, resume,
-                            storage_options, p_storage),
+        stages = fit_stages(
+            model, X if client is not None else X.compute(scheduler="threads"),
+            client=client, plan=plan, progress=progress,
+            factor_options={"persist": plan.persist_x, **_storage_args(
+                plan, target, checkpoint, checkpoint_every, resume, storage_options,
+                p_storage)},
+            kmeans_options=_kmeans_checkpoint_args(checkpoint, resume, storage_options),
         )
+        icf, km = stages.factor, stages.clustering
         # Where P went (a resumed checkpoint keeps its own choice).
         p_where = icf.info.get("p_storage", plan.p_storage)
-        t_icf = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        km = kmeans(
-            icf.P, model.n_clusters, algorithm=model.algorithm, init=model.init,
-            batch_size=model.batch_size,
-            n_init=model.n_init, max_iter=model.max_iter, tol=model.kmeans_tol,
-            random_state=km_seed, client=client, progress=progress, plan=plan,
-            # A P kept in Zarr is larger than the cluster's memory: read, not held.
-            persist=p_where != "zarr",
-            **_kmeans_checkpoint_args(checkpoint, resume, storage_options),
-        )
-        t_km = time.perf_counter() - t0
+        t_icf, t_km = stages.factor_seconds, stages.kmeans_seconds
         labels, P = km.labels, icf.P
         if client is None:  # numpy, written and counted in X's row chunks
             import dask.array as da
 
             labels = da.from_array(labels, chunks=(X.chunks[0],))
             P = da.from_array(P, chunks=(X.chunks[0], -1))
-        model.n_features_in_ = X.shape[1]
-        model._set_fitted(icf, km.cluster_centers, km.inertia, km.n_iter)
         arrays, attrs = _model_arrays_attrs(model)
         attrs["input"] = _input_fingerprint(store, info, storage_options)
         attrs["plan"] = plan.attrs()
