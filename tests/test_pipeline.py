@@ -135,3 +135,21 @@ def test_the_estimator_and_the_pipeline_fit_through_the_one_composition(blobs, t
     pipeline.fit_store(path, str(tmp_path / "model.zarr"), PARAMS, client=None)
     assert seen == [("KernelKMeans", (1000, 2), []),
                     ("KernelKMeans", (1000, 2), ["persist"])]
+
+
+def test_kernel_params_reach_the_factorization_of_a_store(tmp_path):
+    """A kernel of sklearn.metrics.pairwise with its own parameter: P P^T = K of the store's X."""
+    from sklearn.metrics.pairwise import pairwise_kernels
+
+    path = str(tmp_path / "pos.zarr")
+    X = np.abs(np.random.default_rng(0).normal(size=(60, 3)))
+    np.save(tmp_path / "pos.npy", X)
+    io.convert(str(tmp_path / "pos.npy"), path, dtype="float64", chunk_rows=25)
+    out = str(tmp_path / "model.zarr")
+    params = dict(n_clusters=2, kernel="chi2", kernel_params={"gamma": 0.5}, rank=60, tol=0,
+                  random_state=0)
+    pipeline.fit_store(path, out, params, client=None)
+    P = io.open_member(out, "P").compute()
+    np.testing.assert_allclose(P @ P.T, pairwise_kernels(X, metric="chi2", gamma=0.5),
+                               atol=1e-6)
+    assert load(out).kernel_.get_params() == {"kernel": "chi2", "kernel_params": {"gamma": 0.5}}
