@@ -63,7 +63,7 @@ class _Passes:
     """Counts the passes over P that dkicf's k-means makes (both backends)."""
 
     def __init__(self):
-        km = sys.modules["dkicf.kmeans"]
+        km = sys.modules["dkicf._kmeans_tasks"]  # the numpy and dask k-means backends
         self.count = 0
         for backend in (km._NumpyBackend, km._DaskBackend):
             for name in ("lloyd_pass", "full_pass", "nearest_update"):
