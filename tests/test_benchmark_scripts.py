@@ -1,4 +1,4 @@
-"""The benchmark scripts use only names that dkicf has: a module that moves breaks a test, not a run."""
+"""Benchmark scripts use only names dkicf has: a module that moves fails a test, not a run."""
 
 from __future__ import annotations
 
