@@ -377,7 +377,7 @@ class DaskBackend:
         # proportion to the workers' threads.  Later tasks follow the
         # states, so the passes stay balanced.
         if self._home is None:
-            self._home = _placement(self.client, self.chunks, self.workers.nthreads)
+            self._home = _placement(self.chunks, self.workers.nthreads)
         self._n_workers = self.workers.count
         # Keys of tasks submitted with a preferred worker, whose preference is
         # dropped once they have run (see _settle), and the watch of waiting

@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from ._cluster import all_workers
+
 logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ memory accounting
@@ -38,17 +40,9 @@ logger = logging.getLogger(__name__)
 
 def _worker_resources(client) -> tuple[list[int], list[int]]:
     """Memory limits (0: none) and thread counts of the cluster's workers."""
-    workers = list(_scheduler_info(client).get("workers", {}).values())
+    workers = list(all_workers(client).values())
     return ([int(w.get("memory_limit") or 0) for w in workers],
             [int(w.get("nthreads") or 1) for w in workers])
-
-
-def _scheduler_info(client) -> dict:
-    """The scheduler's view of every worker."""
-    try:
-        return client.scheduler_info(n_workers=-1)  # every worker, not only the first few
-    except TypeError:  # distributed < 2025: all workers by default
-        return client.scheduler_info()
 
 
 # Fraction of the cluster's memory that the states of a Zarr-backed P may hold
@@ -126,23 +120,23 @@ def _probe(dask_worker=None) -> dict:
             "fraction": _smallest_threshold(values)}
 
 
-def _reported_baseline(info: dict) -> int:
+def _reported_baseline(workers: dict) -> int:
     """The largest unmanaged memory (process less managed data) the workers last reported."""
     found = []
-    for w in info.get("workers", {}).values():
+    for w in workers.values():
         metrics = w.get("metrics") or {}
         if "memory" in metrics:
             found.append(int(metrics["memory"]) - int(metrics.get("managed_bytes") or 0))
     return max([max(v, 0) for v in found], default=0)
 
 
-def _measure(client, info: dict | None = None) -> dict:
-    """``{"own": bytes or None, "fraction": float or None, "info": scheduler info}``,
+def _measure(client, workers: dict | None = None) -> dict:
+    """``{"own": bytes or None, "fraction": float or None, "workers": their scheduler info}``,
     probed on the workers with :func:`_probe`."""
-    info = _scheduler_info(client) if info is None else info
+    workers = all_workers(client) if workers is None else workers
     run = getattr(client, "run", None)
-    if run is None or not info.get("workers"):
-        return {"own": None, "fraction": None, "info": info}
+    if run is None or not workers:
+        return {"own": None, "fraction": None, "workers": workers}
     try:
         found = run(_probe)
     except Exception:  # a worker that left meanwhile, or remote functions refused
@@ -150,17 +144,16 @@ def _measure(client, info: dict | None = None) -> dict:
     probes = [v for v in found.values() if isinstance(v, dict)]
     return {"own": max((int(v["own"]) for v in probes), default=None),
             "fraction": min((float(v["fraction"]) for v in probes), default=None),
-            "info": info}
+            "workers": workers}
 
 
 def _baseline_of(found: dict) -> int:
-    return found["own"] if found["own"] is not None else _reported_baseline(found["info"])
+    return found["own"] if found["own"] is not None else _reported_baseline(found["workers"])
 
 
-def _fraction_of(found: dict | None) -> float:
-    driver = usable_memory_fraction()
-    if _configured_here() or found is None or found["fraction"] is None:
-        return driver
+def _fraction_of(found: dict) -> float:
+    if _configured_here() or found["fraction"] is None:
+        return usable_memory_fraction()
     return found["fraction"]
 
 
@@ -288,15 +281,14 @@ def measure_workers(client) -> _Workers:
     :func:`worker_memory_fraction`).  A fit does this once, for its plan
     (:class:`dkicf._plan.FitPlan`), and hands the result down.
     """
-    info = _scheduler_info(client)
-    found = info.get("workers", {})
-    limits = [int(w.get("memory_limit") or 0) for w in found.values()]
+    found = all_workers(client)
     threads = [int(w.get("nthreads") or 1) for w in found.values()]
-    baseline, fraction = 0, None
-    if limits and all(v > 0 for v in limits):
-        measured = _measure(client, info)
-        baseline, fraction = _baseline_of(measured), _fraction_of(measured)
-    return _Workers(limits, threads, baseline, fraction, dict(zip(found, threads)))
+    workers = _Workers([int(w.get("memory_limit") or 0) for w in found.values()], threads, 0,
+                       nthreads=dict(zip(found, threads)))
+    if workers.limited:
+        measured = _measure(client, found)
+        workers.baseline, workers.fraction = _baseline_of(measured), _fraction_of(measured)
+    return workers
 
 
 def _limited(client, workers: _Workers | None) -> _Workers | None:

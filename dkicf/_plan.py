@@ -194,6 +194,9 @@ def plan_fit(
                             hold_fraction, base)
 
 
+_NO_WORKERS = "the dask cluster has no workers; start some or wait for them before fitting."
+
+
 def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: int,
                      rank: int, *, p_storage: str = "auto", persist: str = "auto",
                      decide: bool = True) -> FitPlan:
@@ -210,9 +213,7 @@ def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: 
                         persist=persist)
     workers = measure_workers(client)
     if not workers.count:
-        raise RuntimeError(
-            "the dask cluster has no workers; start some or wait for them before fitting."
-        )
+        raise RuntimeError(_NO_WORKERS)
     limited = workers.limited and decide
     return plan_fit(
         shape, chunk_rows, itemsize, rank,
@@ -387,9 +388,7 @@ def _plan_by_task(chunk_rows, d, itemsize, s, threads, worker_memory, usable, pe
 def _worker_resources(client) -> tuple[int | None, int, int]:
     workers = all_workers(client)
     if not workers:
-        raise RuntimeError(
-            "the dask cluster has no workers; start some or wait for them before fitting."
-        )
+        raise RuntimeError(_NO_WORKERS)
     limits = [w.get("memory_limit") or 0 for w in workers.values()]
     threads = max(w.get("nthreads", 1) for w in workers.values())
     limit = min(limits) if all(limits) else None

@@ -355,17 +355,11 @@ async def _drop_topic(topic: str, dask_scheduler=None, wait: float = 2.0) -> boo
     return found is not None
 
 
-def _placement(client, chunks, nthreads: dict | None = None) -> list[str | None]:
+def _placement(chunks, nthreads: dict) -> list[str | None]:
     """A home worker for each row chunk: consecutive runs, rows in proportion to threads.
 
     ``nthreads``: the threads of each worker by address, as the fit's plan
-    measured them (default: asked of ``client``)."""
-    if nthreads is None:
-        try:
-            info = client.scheduler_info(n_workers=-1)
-        except TypeError:  # distributed < 2025: all workers by default
-            info = client.scheduler_info()
-        nthreads = {a: int(w.get("nthreads") or 1) for a, w in info.get("workers", {}).items()}
+    measured them."""
     workers = sorted((addr, int(t or 1)) for addr, t in nthreads.items())
     if len(workers) < 2:
         return [None] * len(chunks)
