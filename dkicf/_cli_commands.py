@@ -118,16 +118,20 @@ class _Progress:
         """One bar over the restarts: each run's share moves with its steps and passes.
 
         A run is at most ``max_iter`` mini-batch steps then at most ``max_iter``
-        Lloyd passes; most stop earlier, and the bar jumps to the next run.
+        Lloyd passes (shared by the runs still iterating); its share is full
+        once it reports its last step.
         """
         if self.kind != "kmeans":
             self.close()
             self.bar = tqdm(total=info.n_init, file=sys.stderr, dynamic_ncols=True,
                             bar_format="k-means: {percentage:3.0f}%|{bar}| {desc} [{elapsed}]")
             self.kind = "kmeans"
+            self.shares = {}
         share = min(info.step, info.max_iter) / info.max_iter
         lloyd = info.phase == "lloyd"
-        self.bar.n = info.restart + (0.5 + 0.5 * share if lloyd else 0.5 * share)
+        self.shares[info.restart] = 1.0 if getattr(info, "done", False) else (
+            0.5 + 0.5 * share if lloyd else 0.5 * share)
+        self.bar.n = sum(self.shares.values())
         where = f"Lloyd pass {info.step}" if lloyd else f"mini-batch step {info.step}"
         self.bar.set_description_str(
             f"run {info.restart + 1}/{info.n_init}, {where}, inertia {info.inertia:.4g}",

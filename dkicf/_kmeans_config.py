@@ -48,7 +48,10 @@ class KMeansProgress:
         Seconds since :func:`kmeans` started.
     phase : {"minibatch", "lloyd"}
         The phase of the run: mini-batch steps, or Lloyd iterations (a pass
-        over P each).  ``step`` counts the steps of this phase.
+        over P each, shared by all the runs still iterating, so their
+        reports come in turn).  ``step`` counts the steps of this phase.
+    done : bool
+        Whether this step or iteration was the run's last.
     """
 
     restart: int
@@ -59,6 +62,7 @@ class KMeansProgress:
     center_shift: float
     elapsed: float
     phase: str = "minibatch"
+    done: bool = False
 
 
 @dataclass
@@ -89,8 +93,10 @@ class KMeansResult:
         improving (mini-batch only), or the step cap.
     info : dict
         With ``checkpoint=``: its location (``"checkpoint"``), where the fit
-        continued from (``"resumed_from"``: ``{"restart": r, "step": s}``, or
-        None for a new fit) and whether the checkpoint already held the
+        continued from (``"resumed_from"``: ``{"restart": r, "step": s}``,
+        run ``r`` at its mini-batch step ``s``, or with ``r == n_init`` the
+        runs' shared Lloyd passes after ``s`` iterations; None for a new
+        fit) and whether the checkpoint already held the
         finished fit (``"already_finished"``).  Empty otherwise.
     """
 

@@ -13,7 +13,6 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from ._commit import StateCheckpoint
 from ._kmeans_config import KMeansProgress, KMeansResult, _Config
 from ._kmeans_tasks import _check_finite, _cluster_sums, _full_pass, _nearest
 from ._services import chunk_digest
-from .errors import worker_failure
+from .errors import CheckpointMismatchError, worker_failure
 
 logger = logging.getLogger("dkicf.kmeans")
 
@@ -60,8 +59,9 @@ class _Position:
 
     The drivers update it before each request to the workers: ``phase`` is
     ``"fingerprint"`` (of P, for the checkpoint), ``"init"``, ``"minibatch"``,
-    ``"lloyd"``, ``"assign"`` (a run's full pass) or ``"labels"`` (the best
-    run's labels after a resume); ``fetch`` is the range of mini-batch steps
+    ``"lloyd"`` (a shared Lloyd pass of the ``runs``), ``"measure"`` (a pass
+    that only measures the final centres of the ``runs``) or ``"labels"``
+    (the best run's labels); ``fetch`` is the range of mini-batch steps
     whose rows are being fetched.
     """
 
@@ -70,20 +70,24 @@ class _Position:
     restart: int = 0
     step: int = 0
     fetch: tuple[int, int] | None = None
+    runs: list[int] | None = None
 
     def at(self, phase: str, step: int = 0, fetch: tuple[int, int] | None = None) -> None:
         self.phase, self.step, self.fetch = phase, step, fetch
 
     def __str__(self) -> str:
         run = f"run {self.restart + 1}/{self.n_init}"
+        if self.runs is not None:
+            run = (f"run {self.runs[0] + 1}/{self.n_init}" if len(self.runs) == 1 else
+                   f"runs {', '.join(str(r + 1) for r in self.runs)} of {self.n_init}")
         if self.phase == "fingerprint":
             return "the fingerprint of P for the checkpoint, before the first run"
         if self.phase == "labels":
             return f"the assignment pass for the labels of the best run ({run})"
         if self.phase == "init":
             return f"{run}, initialisation"
-        if self.phase == "assign":
-            return f"{run}, final assignment pass"
+        if self.phase == "measure":
+            return f"{run}, the pass that measures the final centres"
         if self.phase == "lloyd":
             return f"{run}, Lloyd iteration {self.step}"
         where = f"{run}, mini-batch step {self.step}"
@@ -280,18 +284,23 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
         # The first batch measures the initial centres: the average starts at step 2.
         if step > 1:
             ewa = mean_inertia if ewa is None else ewa * (1 - alpha) + mean_inertia * alpha
-        report(step, n * (mean_inertia if ewa is None else ewa), shift, "minibatch")
+        stopping = None
         if step > 1:
             if cfg.tol > 0 and shift <= tol_abs:
-                stop = "tol"
-                break
-            if ewa_min is None or ewa < ewa_min:
-                ewa_min, no_improvement = ewa, 0
+                stopping = "tol"
             else:
-                no_improvement += 1
-            if cfg.max_no_improvement is not None and no_improvement >= cfg.max_no_improvement:
-                stop = "no_improvement"
-                break
+                if ewa_min is None or ewa < ewa_min:
+                    ewa_min, no_improvement = ewa, 0
+                else:
+                    no_improvement += 1
+                if cfg.max_no_improvement is not None and (
+                        no_improvement >= cfg.max_no_improvement):
+                    stopping = "no_improvement"
+        last = cfg.algorithm == "minibatch" and (stopping is not None or step == cfg.max_iter)
+        report(step, n * (mean_inertia if ewa is None else ewa), shift, "minibatch", last)
+        if stopping is not None:
+            stop = stopping
+            break
         if ckpt is not None and ckpt.due(step, cfg.max_iter, "minibatch"):
             ckpt.save(step, {"centers": centers, "counts": counts}, {
                 "phase": "minibatch", "step": step, "tol_abs": tol_abs, "ewa": ewa,
@@ -329,59 +338,96 @@ def _relocate_empty(backend, sums, counts, parts, n_far: int) -> None:
         counts[j] = 1
 
 
-def _run_lloyd(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
-               pos: _Position, refine: bool = False, done: int = 0):
-    """Lloyd iterations until the centres stay put, ``tol`` or ``max_iter``.
+def _lloyd_update(backend, run: _Run, parts: list, cfg: _Config, it: int, report) -> None:
+    """Lloyd iteration ``it`` of one run, from its summaries of the pass (chunk order).
 
-    Alone (``refine=False``), ``tol`` bounds the centres' movement as in
-    scikit-learn's ``KMeans``.  After mini-batch steps (``refine=True``,
-    ``done`` of them), a run stops when no label changes or when a pass
-    lowers the inertia by at most ``tol`` times itself.
+    Alone (``"lloyd"``), ``tol`` bounds the centres' movement as in
+    scikit-learn's ``KMeans``.  After mini-batch steps, a run stops when no
+    label changes or when a pass lowers the inertia by at most ``tol``
+    times itself.  A run whose last pass left its centres where they were
+    (no label changed) has its final inertia and counts from that pass.
     """
-    k, s = centers.shape
-    stop = "max_iter"
-    first = 1 if saved is None else saved["step"] + 1
-    previous = None if saved is None else saved.get("inertia")
-    for it in range(first, cfg.max_iter + 1):
-        pos.at("lloyd", it)
-        parts = backend.lloyd_pass(centers, k)
-        sums = np.zeros((k, s))
-        counts = np.zeros(k, dtype=np.int64)
-        for part in parts:  # chunk order, whatever worker answered first
-            sums += part["sums"]
-            counts += part["counts"]
-        relocated = bool((counts == 0).any())
-        if relocated:
-            _relocate_empty(backend, sums, counts, parts, k)
-        new = centers.copy()
-        full = counts > 0
-        new[full] = sums[full] / counts[full, None]
-        shift = float(np.sum((new - centers) ** 2))
-        centers = new
-        inertia = math.fsum(p["inertia"] for p in parts)
-        report(it, inertia, shift, "lloyd")
-        if shift == 0.0:  # the same labels as the pass before: Lloyd's fixed point
-            # This pass measured the final centres: no assignment pass is needed.
-            return centers, it, "converged", None if relocated else (inertia, counts)
-        if refine:
-            if previous is not None and previous - inertia <= cfg.tol * inertia:
-                stop = "tol"
-                break
-        elif shift <= tol_abs:
-            stop = "tol"
-            break
-        previous = inertia
-        if ckpt is not None and ckpt.due(it, cfg.max_iter, "lloyd"):
-            ckpt.save(done + it, {"centers": centers}, {
-                "phase": "lloyd", "step": it, "tol_abs": tol_abs, "inertia": inertia,
-                "done": done,
-            })
-    return centers, it, stop, None
+    k, s = run.centers.shape
+    sums = np.zeros((k, s))
+    counts = np.zeros(k, dtype=np.int64)
+    for part in parts:  # chunk order, whatever worker answered first
+        sums += part["sums"]
+        counts += part["counts"]
+    relocated = bool((counts == 0).any())
+    if relocated:
+        _relocate_empty(backend, sums, counts, parts, k)
+    new = run.centers.copy()
+    full = counts > 0
+    new[full] = sums[full] / counts[full, None]
+    shift = float(np.sum((new - run.centers) ** 2))
+    inertia = math.fsum(p["inertia"] for p in parts)
+    run.centers, run.n_iter = new, run.n_iter + 1
+    if shift == 0.0:  # the same labels as the pass before: Lloyd's fixed point
+        run.stop = "converged"
+        if not relocated:  # this pass measured the final centres
+            run.inertia, run.counts = inertia, counts
+    elif cfg.algorithm != "lloyd":
+        if run.previous is not None and run.previous - inertia <= cfg.tol * inertia:
+            run.stop = "tol"
+    elif shift <= run.tol_abs:
+        run.stop = "tol"
+    if run.stop is None and it >= cfg.max_iter:
+        run.stop = "max_iter"
+    run.previous = inertia
+    report(it, inertia, shift, "lloyd", run.stop is not None)
+
+
+def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Position) -> None:
+    """The Lloyd iterations of every run in the same passes over P, then their measurement.
+
+    Each pass reads P once for all the runs still iterating (each with its
+    own matrix products, so a run's arithmetic is what it would be alone)
+    and for the runs that stopped without a measure of their final centres,
+    whose inertia and counts that pass gives.  A run that stops leaves the
+    passes; they end when every run has stopped and been measured.
+    """
+    k = cfg.n_clusters
+    while True:
+        group = [i for i, run in enumerate(runs.runs) if run.stop is None or run.inertia is None]
+        if not group:
+            return
+        moving = [i for i in group if runs.runs[i].stop is None]
+        it = runs.lloyd + 1 if moving else runs.lloyd
+        pos.at("lloyd" if moving else "measure", it)
+        pos.runs = group
+        parts = backend.lloyd_pass([runs.runs[i].centers for i in group], k)
+        for j, i in enumerate(group):
+            run, own = runs.runs[i], [part[j] for part in parts]
+            if run.stop is None:
+                _lloyd_update(backend, run, own, cfg, it, lambda *a, i=i: report(i, *a))
+            else:
+                run.inertia = math.fsum(p["inertia"] for p in own)
+                run.counts = np.sum([p["counts"] for p in own], axis=0, dtype=np.int64)
+        runs.lloyd = it
+        if moving and ckpt is not None and ckpt.due(it, cfg.max_iter, "lloyd"):
+            ckpt.save()
+
+
+@dataclass
+class _Run:
+    """One restart: its centres and where it stands, as a commit records it."""
+
+    centers: np.ndarray
+    tol_abs: float
+    n_iter: int = 0  # mini-batch steps and Lloyd iterations so far
+    previous: float | None = None  # inertia of its last Lloyd pass
+    stop: str | None = None  # why its last phase stopped; None while it iterates
+    inertia: float | None = None  # full-pass inertia of its final centres, once measured
+    counts: np.ndarray | None = None
+
+    def state(self) -> dict:
+        return {"tol_abs": self.tol_abs, "n_iter": self.n_iter, "previous": self.previous,
+                "stop": self.stop, "inertia": self.inertia}
 
 
 @dataclass
 class _Best:
-    """The run with the lowest full-pass inertia so far."""
+    """The kept run: the lowest full-pass inertia, ties to the earlier run."""
 
     centers: np.ndarray
     counts: np.ndarray
@@ -389,33 +435,50 @@ class _Best:
     n_iter: int
     stop: str
     restart: int
-    labels: Any = None  # None when the run finished before a resume
 
 
 @dataclass
 class _Runs:
-    """What the runs so far leave behind: the state between two runs."""
+    """Where the fit stands: the runs through their first phase, the shared Lloyd passes."""
 
     seeds: list[int]
-    restart: int = 0
-    inertias: list[float] = field(default_factory=list)
-    n_steps_total: int = 0
+    restart: int = 0  # runs whose initialisation and mini-batch phase are done
+    runs: list[_Run] = field(default_factory=list)
+    lloyd: int = 0  # Lloyd iterations of the shared passes so far
     best: _Best | None = None
+
+    @property
+    def n_steps_total(self) -> int:
+        return sum(run.n_iter for run in self.runs)
+
+    def pick_best(self) -> _Best:
+        best = None
+        for r, run in enumerate(self.runs):
+            if best is None or run.inertia < best.inertia * (1 - _TIE_RTOL):
+                best = _Best(run.centers, run.counts, run.inertia, run.n_iter, run.stop, r)
+        self.best = best
+        return best
+
+
+# Layout of the commits' state; a commit of another layout is refused on resume.
+_LAYOUT = 2
 
 
 class _Checkpointer:
-    """The commits of one k-means fit: every ``every`` steps of a run, and after each run.
+    """The commits of one k-means fit.
 
-    A commit holds the runs so far (their seeds, full-pass inertias, step
-    count and best centres) and, in the middle of a run, that run's own
+    A commit holds the seeds, every run that finished its first phase (its
+    centres, counts and stopping state), the shared Lloyd iterations so
+    far and, in the middle of a run's mini-batch phase, that run's own
     state: step, centres, counts, the generators' states and the stopping
-    counters.  The best centres are written only when they change.
+    counters.  Commits come every ``every`` steps of a mini-batch phase,
+    after each run's first phase, every ``every`` shared Lloyd iterations,
+    and at the end (with the kept run).
     """
 
     def __init__(self, store, every: dict):
         self.store, self.every = store, every
         self.runs: _Runs | None = None
-        self._best_saved = None
 
     @property
     def url(self) -> str:
@@ -426,30 +489,34 @@ class _Checkpointer:
         end, or the next phase, commits)."""
         return step % self.every[phase] == 0 and step < max_iter
 
-    def save(self, step: int = 0, arrays: dict | None = None, run: dict | None = None) -> None:
+    def save(self, step: int = 0, arrays: dict | None = None, run: dict | None = None,
+             finished: bool = False) -> None:
         """Commit the runs so far and, with ``run``, the state of the current run at ``step``."""
         runs = self.runs
         arrays = dict(arrays or {})
+        if runs.runs:
+            arrays["runs_centers"] = np.stack([r.centers for r in runs.runs])
+            k = runs.runs[0].centers.shape[0]
+            arrays["runs_counts"] = np.stack([
+                np.zeros(k, dtype=np.int64) if r.counts is None else r.counts
+                for r in runs.runs])
         best = runs.best
-        if best is not None and best is not self._best_saved:
-            arrays.update(best_centers=best.centers, best_counts=best.counts)
         state = {
-            "seeds": runs.seeds, "restart": runs.restart, "inertias": runs.inertias,
-            "n_steps_total": runs.n_steps_total, "run": run,
+            "layout": _LAYOUT, "seeds": runs.seeds, "restart": runs.restart,
+            "lloyd": runs.lloyd, "runs": [r.state() for r in runs.runs], "run": run,
             "best": None if best is None else {
                 "inertia": best.inertia, "n_iter": best.n_iter, "stop": best.stop,
                 "restart": best.restart,
             },
         }
-        finished = run is None and runs.restart == len(runs.seeds)
         self.store.save(runs.n_steps_total + step, arrays, state, finished=finished)
-        self._best_saved = best
 
     def restore(self, runs: _Runs) -> tuple[dict | None, dict]:
         """Load the last commit into ``runs`` and keep them to commit later.
 
         Returns the state of the run the commit interrupted (None at a run
-        boundary) and what the result's ``info`` records.
+        boundary or in the shared Lloyd passes) and what the result's
+        ``info`` records.
         """
         self.runs = runs
         loaded = self.store.load()
@@ -458,26 +525,40 @@ class _Checkpointer:
             logger.info("no k-means commit at %s yet: starting from the first run", self.url)
             return None, info
         _, arrays, state = loaded
+        if state.get("layout") != _LAYOUT:
+            raise CheckpointMismatchError(
+                f"the k-means checkpoint at {self.url!r} was written by an earlier version of "
+                "dkicf, whose commits this one cannot continue: pass overwrite=True (dkicf "
+                "fit: --overwrite) to start the k-means again there."
+            )
         runs.seeds = [int(v) for v in state["seeds"]]
-        runs.restart, runs.n_steps_total = state["restart"], state["n_steps_total"]
-        runs.inertias = [float(v) for v in state["inertias"]]
-        if state["best"] is not None:
-            runs.best = _Best(centers=arrays["best_centers"], counts=arrays["best_counts"],
-                              **state["best"])
-            self._best_saved = runs.best
+        runs.restart, runs.lloyd = state["restart"], state["lloyd"]
+        for r, saved in enumerate(state["runs"]):
+            run = _Run(centers=arrays["runs_centers"][r], tol_abs=saved["tol_abs"],
+                       n_iter=saved["n_iter"], previous=saved["previous"], stop=saved["stop"],
+                       inertia=saved["inertia"])
+            if run.inertia is not None:
+                run.counts = arrays["runs_counts"][r]
+            runs.runs.append(run)
         run = state["run"]
-        step = 0 if run is None else run["step"]
+        shared = runs.restart == len(runs.seeds)  # every run is through its first phase
+        step = run["step"] if run is not None else runs.lloyd if shared else 0
         info["resumed_from"] = {"restart": runs.restart, "step": step}
         if self.store.finished:
             info["already_finished"] = True
+            runs.pick_best()
             logger.info(
                 "the k-means checkpoint at %s holds a finished fit (%d runs, best inertia "
                 "%.6e); nothing to do but one assignment pass for the labels",
                 self.url, len(runs.seeds), runs.best.inertia,
             )
             return None, info
-        logger.info("resuming k-means from %s: run %d/%d at step %d",
-                    self.url, runs.restart + 1, len(runs.seeds), step)
+        if shared:
+            logger.info("resuming k-means from %s: the runs' shared Lloyd iteration %d",
+                        self.url, step)
+        else:
+            logger.info("resuming k-means from %s: run %d/%d at step %d",
+                        self.url, runs.restart + 1, len(runs.seeds), step)
         if run is None:
             return None, info
         return dict(run, centers=arrays["centers"], counts=arrays.get("counts")), info
@@ -518,8 +599,8 @@ def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
                     ckpt: _Checkpointer | None, url: str | None):
     """The :class:`~dkicf.errors.WorkerFailureError` of a k-means task that killed its workers.
 
-    It names the run and the step (or pass) and, with a checkpoint, its last
-    commit, from which ``resume=True`` continues.
+    It names the run and the step (or the shared pass) and, with a
+    checkpoint, its last commit, from which ``resume=True`` continues.
     """
     resume = "call again with resume=True (dkicf fit: --resume)"
     commit = None if ckpt is None else ckpt.store.commit
@@ -530,13 +611,15 @@ def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
                 "its result after one assignment pass.")
     elif commit is not None:
         state = commit["state"]
-        run = f"run {state['restart'] + 1}/{len(state['seeds'])}"
-        if state["run"] is None:
-            at = f"at the start of {run}"
+        n_init = len(state["seeds"])
+        if state["run"] is not None:
+            at = f"at run {state['restart'] + 1}/{n_init}, mini-batch step {state['run']['step']}"
+        elif state["restart"] < n_init:
+            at = f"at the start of run {state['restart'] + 1}/{n_init}"
+        elif state["lloyd"]:
+            at = f"at Lloyd iteration {state['lloyd']} of the runs' shared passes"
         else:
-            phase = state["run"].get("phase", "lloyd" if algorithm == "lloyd" else "minibatch")
-            unit = "Lloyd iteration" if phase == "lloyd" else "mini-batch step"
-            at = f"at {run}, {unit} {state['run']['step']}"
+            at = "before the runs' shared Lloyd passes"
         hint = (f"The last k-means checkpoint, {at}, is in {url!r}: {resume} to continue "
                 "from it.")
     elif url is not None:
@@ -546,36 +629,6 @@ def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
         hint = ("Pass checkpoint= (dkicf fit: --checkpoint DIR) and resume=True after a "
                 "failure (--resume) to be able to resume.")
     return worker_failure(exc, "k-means", pos.step, ckpt, where=str(pos), resume_hint=hint)
-
-
-def _run_phases(backend, centers, cfg: _Config, tol_abs, report, ckpt, saved,
-                pos: _Position, batch_ss, reseed_ss):
-    """The mini-batch and Lloyd phases of one run: its centres, steps, stop reason and,
-    when its last Lloyd pass measured the final centres, that pass's inertia and counts.
-
-    ``saved`` is the state of a run resumed in its middle: the phase it was
-    in (mini-batch for commits that do not say) and that phase's state.
-    """
-    phase = "minibatch" if cfg.algorithm != "lloyd" else "lloyd"
-    if saved is not None:
-        phase = saved.get("phase", phase)
-    done = 0
-    if phase == "minibatch":
-        centers, done, stop = _run_minibatch(
-            backend, centers, cfg, tol_abs,
-            np.random.default_rng(batch_ss), np.random.default_rng(reseed_ss), report,
-            ckpt, saved, pos,
-        )
-        saved = None
-        if cfg.algorithm == "minibatch":
-            return centers, done, stop, None
-    elif saved is not None:
-        done = saved.get("done", 0)
-    centers, n_lloyd, stop, final = _run_lloyd(
-        backend, centers, cfg, tol_abs, report, ckpt, saved, pos,
-        refine=cfg.algorithm != "lloyd", done=done,
-    )
-    return centers, done + n_lloyd, stop, final
 
 
 def _check_distinct(backend, k: int) -> None:
@@ -589,14 +642,14 @@ def _check_distinct(backend, k: int) -> None:
         )
 
 
-def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos: _Position):
-    start = time.perf_counter()
-    pos.at("init")
-    _check_distinct(backend, cfg.n_clusters)
-    runs = _Runs(seeds=[int(v) for v in seeds])
-    saved, info = None, {}
-    if ckpt is not None:
-        saved, info = ckpt.restore(runs)
+def _first_phases(backend, cfg: _Config, runs: _Runs, saved, report, ckpt,
+                  pos: _Position) -> None:
+    """Each run's initialisation and mini-batch phase, one run after the other.
+
+    ``saved`` is the state of a run resumed in its middle.  The k-means||
+    candidates of all the runs still to start are drawn in the same passes,
+    and their init samples in one fetch.
+    """
     pending = {}  # k-means|| candidates of the runs still to start, oversampled together
 
     def candidates(restart):
@@ -608,7 +661,6 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
             pending.update(zip(todo, found))
         return pending.pop(restart)
 
-    # The fresh runs' init samples, fetched together (one request, not one per run).
     streams = {r: np.random.SeedSequence(runs.seeds[r]).spawn(3)
                for r in range(runs.restart, cfg.n_init)}  # init, batches, re-seeding
     fresh = range(runs.restart + (saved is not None), cfg.n_init)
@@ -616,7 +668,7 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
     pos.at("init")
     samples = dict(zip(fresh, _init_samples(backend, cfg, [init_rngs[r] for r in fresh])))
     for restart in range(runs.restart, cfg.n_init):
-        runs.restart = pos.restart = restart
+        pos.restart, pos.runs = restart, None
         _, batch_ss, reseed_ss = streams[restart]
         if saved is None:
             pos.at("init")
@@ -627,42 +679,55 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
             tol_abs = cfg.tol * variance
         else:  # resumed in the middle of this run
             centers, tol_abs = saved["centers"], saved["tol_abs"]
-
-        def report(step, inertia, shift, phase, restart=restart):
-            if progress is not None:
-                progress(
-                    KMeansProgress(
-                        restart=restart, n_init=cfg.n_init, step=step, max_iter=cfg.max_iter,
-                        inertia=float(inertia), center_shift=shift,
-                        elapsed=time.perf_counter() - start, phase=phase,
-                    )
-                )
-
-        centers, n_iter, stop, final = _run_phases(backend, centers, cfg, tol_abs, report,
-                                                   ckpt, saved, pos, batch_ss, reseed_ss)
+        run = _Run(centers=centers, tol_abs=tol_abs)
+        if cfg.algorithm != "lloyd":
+            run.centers, run.n_iter, stop = _run_minibatch(
+                backend, centers, cfg, tol_abs, np.random.default_rng(batch_ss),
+                np.random.default_rng(reseed_ss),
+                lambda *a, restart=restart: report(restart, *a), ckpt, saved, pos,
+            )
+            if cfg.algorithm == "minibatch":
+                run.stop = stop
         saved = None
-        runs.n_steps_total += n_iter
-        if final is None:
-            pos.at("assign", n_iter)
-            labels, inertia, counts = _full_pass(backend, centers)
-        else:  # labels of the best run only, by one pass at the end
-            labels, (inertia, counts) = None, final
-        runs.inertias.append(inertia)
-        logger.info(
-            "k-means (%s) run %d/%d: %d steps, stop: %s, inertia %.6e",
-            cfg.algorithm, restart + 1, cfg.n_init, n_iter, stop, inertia,
-        )
-        if runs.best is None or inertia < runs.best.inertia * (1 - _TIE_RTOL):
-            runs.best = _Best(centers, counts, inertia, n_iter, stop, restart, labels)
+        runs.runs.append(run)
         runs.restart = restart + 1
         if ckpt is not None:
             ckpt.save()
+
+
+def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos: _Position):
+    start = time.perf_counter()
+    pos.at("init")
+    _check_distinct(backend, cfg.n_clusters)
+    runs = _Runs(seeds=[int(v) for v in seeds])
+    saved, info = None, {}
+    if ckpt is not None:
+        saved, info = ckpt.restore(runs)
+
+    def report(restart, step, inertia, shift, phase, done=False):
+        if progress is not None:
+            progress(
+                KMeansProgress(
+                    restart=restart, n_init=cfg.n_init, step=step, max_iter=cfg.max_iter,
+                    inertia=float(inertia), center_shift=shift,
+                    elapsed=time.perf_counter() - start, phase=phase, done=done,
+                )
+            )
+
+    if runs.best is None:  # not a finished fit read back from its checkpoint
+        _first_phases(backend, cfg, runs, saved, report, ckpt, pos)
+        _shared_passes(backend, cfg, runs, report, ckpt, pos)
+        for restart, run in enumerate(runs.runs):
+            logger.info("k-means (%s) run %d/%d: %d steps, stop: %s, inertia %.6e",
+                        cfg.algorithm, restart + 1, cfg.n_init, run.n_iter, run.stop,
+                        run.inertia)
+        runs.pick_best()
+        if ckpt is not None:
+            ckpt.save(finished=True)
     best = runs.best
-    labels = best.labels
-    if labels is None:  # not kept (or the run ended before a resume): one pass away
-        pos.restart = best.restart
-        pos.at("labels", best.n_iter)
-        labels, _, _ = _full_pass(backend, best.centers)
+    pos.restart, pos.runs = best.restart, None
+    pos.at("labels", best.n_iter)
+    labels, _, _ = _full_pass(backend, best.centers)
     n_found = int(np.count_nonzero(best.counts))
     if n_found < cfg.n_clusters:
         warnings.warn(
@@ -677,7 +742,7 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
         inertia=best.inertia,
         n_iter=best.n_iter,
         n_steps_total=runs.n_steps_total,
-        inertias=runs.inertias,
+        inertias=[run.inertia for run in runs.runs],
         stop_reason=best.stop,
         info=info,
     )

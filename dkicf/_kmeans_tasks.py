@@ -26,6 +26,11 @@ from ._validation import is_dask_array
 _BLOCK_ELEMENTS = 1 << 20
 
 
+# Bytes of rows (float64) per block of a chunk kernel: a block stays in cache while
+# every run's centres are compared with it.
+_BLOCK_BYTES = 4 << 20
+
+
 # Numpy backend: rows per block of its thread pool, at least.
 _MIN_BLOCK_ROWS = 16384
 
@@ -75,12 +80,16 @@ def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
 
 
 def _row_blocks(p, offset: int, width: int, check: bool):
-    """``(lo, hi, rows)`` of a chunk in blocks of about ``_BLOCK_ELEMENTS / width`` rows.
+    """``(lo, hi, rows)`` of a chunk in blocks that keep the kernels' working set small.
 
-    The rows are widened to float64 block by block; ``check``: raise on NaN
-    or infinity (P that was not validated yet).
+    A block holds at most ``_BLOCK_ELEMENTS / width`` rows (its distances to
+    ``width`` centres) and about ``_BLOCK_BYTES`` of rows, so that a pass
+    over several runs' centres reads each block from cache.  The block
+    size depends on P's width and ``width`` only.  Rows are widened to
+    float64 block by block; ``check``: raise on NaN or infinity (P that was
+    not validated yet).
     """
-    step = max(256, _BLOCK_ELEMENTS // max(1, width))
+    step = max(256, min(_BLOCK_ELEMENTS // max(1, width), _BLOCK_BYTES // (8 * max(1, p.shape[1]))))
     for lo in range(0, p.shape[0], step):
         hi = min(lo + step, p.shape[0])
         x = np.asarray(p[lo:hi], dtype=np.float64)
@@ -89,43 +98,54 @@ def _row_blocks(p, offset: int, width: int, check: bool):
         yield lo, hi, x
 
 
-def _scan(p, offset: int, centers: np.ndarray, with_sums: bool, check: bool = True):
-    """Labels, squared distances and (optionally) per-centre sums of one row chunk.
+def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
+    """Labels, squared distances and (optionally) per-centre sums of one row chunk,
+    for each set of centres in ``centers`` (one per run).
 
-    Works in row blocks so that the distance block stays small whatever the
-    chunk size; rows are widened to float64 block by block.  ``check``: raise
-    on NaN or infinity (P that was not validated yet).
+    One read of the chunk serves every run; each run's distances come from
+    its own matrix product, so a run's arithmetic does not depend on which
+    runs share the pass.  Works in row blocks (:func:`_row_blocks`) so that
+    the distance block stays small whatever the chunk size.
     """
     n, s = p.shape
-    k = centers.shape[0]
-    c_sq = np.einsum("ij,ij->i", centers, centers)
-    labels = np.empty(n, dtype=np.int64)
-    d2 = np.empty(n)
-    sums = np.zeros((k, s)) if with_sums else None
+    k = max(c.shape[0] for c in centers)
+    c_sq = [np.einsum("ij,ij->i", c, c) for c in centers]
+    labels = [np.empty(n, dtype=np.int64) for _ in centers]
+    d2 = [np.empty(n) for _ in centers]
+    sums = [np.zeros((c.shape[0], s)) for c in centers] if with_sums else None
     for lo, hi, x in _row_blocks(p, offset, k, check):
-        labels[lo:hi], d2[lo:hi] = _nearest(x, centers, c_sq)
-        if with_sums:
-            sums += _cluster_sums(x, labels[lo:hi], k)
+        x_sq = np.einsum("ij,ij->i", x, x)
+        for r, c in enumerate(centers):
+            labels[r][lo:hi], d2[r][lo:hi] = _nearest(x, c, c_sq[r], x_sq)
+            if with_sums:
+                sums[r] += _cluster_sums(x, labels[r][lo:hi], c.shape[0])
     return labels, d2, sums
 
 
 def _chunk_assign(p, offset: int, centers: np.ndarray, check: bool = True):
     """One chunk of a full pass: its labels, and its inertia and counts."""
-    labels, d2, _ = _scan(p, offset, centers, with_sums=False, check=check)
+    labels, d2, _ = _scan(p, offset, [centers], with_sums=False, check=check)
     stats = {
-        "inertia": float(d2.sum()),
-        "counts": np.bincount(labels, minlength=centers.shape[0]),
+        "inertia": float(d2[0].sum()),
+        "counts": np.bincount(labels[0], minlength=centers.shape[0]),
     }
-    return labels, stats
+    return labels[0], stats
 
 
-def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int, check: bool = True) -> dict:
-    """One chunk of a Lloyd iteration: per-centre sums and counts, inertia, farthest points.
+def _chunk_lloyd(p, offset: int, centers: list, n_far: int, check: bool = True) -> list[dict]:
+    """One chunk of a Lloyd iteration of several runs (``centers``: one set per run).
 
-    The farthest points (largest squared distance to their centre, with their
-    global index and label) are the candidates for re-seeding empty clusters.
+    For each run: per-centre sums and counts, inertia, and the farthest
+    points (largest squared distance to their centre, with their global
+    index and label), the candidates for re-seeding empty clusters.
     """
     labels, d2, sums = _scan(p, offset, centers, with_sums=True, check=check)
+    return [_lloyd_summary(lab, dist, total, c.shape[0], n_far, offset)
+            for lab, dist, total, c in zip(labels, d2, sums, centers)]
+
+
+def _lloyd_summary(labels, d2, sums, k: int, n_far: int, offset: int) -> dict:
+    """A run's summary of one chunk of a Lloyd iteration (see :func:`_chunk_lloyd`)."""
     n = labels.shape[0]
     m = min(n_far, n)
     far = np.arange(n)
@@ -136,7 +156,7 @@ def _chunk_lloyd(p, offset: int, centers: np.ndarray, n_far: int, check: bool = 
     far = far[np.lexsort((far, -d2[far]))[:m]]
     return {
         "sums": sums,
-        "counts": np.bincount(labels, minlength=centers.shape[0]),
+        "counts": np.bincount(labels, minlength=k),
         "inertia": float(d2.sum()),
         "far_d2": d2[far],
         "far_index": far.astype(np.int64) + offset,
@@ -164,7 +184,7 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
     new = [(d2.copy(), label.copy()) if c.shape[0] else (d2, label)
            for (d2, label), c in zip(states, cands)]
     c_sq = [np.einsum("ij,ij->i", c, c) for c in cands]
-    for lo, hi, x in _row_blocks(p, offset, sum(c.shape[0] for c in cands), check):
+    for lo, hi, x in _row_blocks(p, offset, max(c.shape[0] for c in cands), check):
         x_sq = np.einsum("ij,ij->i", x, x)
         for r, (d2, label) in enumerate(new):
             if cands[r].shape[0] == 0:
@@ -259,8 +279,9 @@ class KMeansBackend(ChunkBackend, Protocol):
     def rows(self, index: np.ndarray) -> np.ndarray:
         """Rows of P at the global indices ``index``."""
 
-    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
-        """Per chunk: per-centre sums and counts, inertia and the ``n_far`` farthest rows."""
+    def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
+        """Per chunk, per set of centres (one per run, all in one read of P): per-centre
+        sums and counts, inertia and the ``n_far`` farthest rows."""
 
     def full_pass(self, centers: np.ndarray):
         """Per chunk: labels (kept where the chunk lives), inertia and counts."""
@@ -322,7 +343,7 @@ class _NumpyBackend:
         return np.asarray(self.P[index], dtype=np.float64)
 
     # P was checked for NaN and infinity on entry (check_array_2d): check=False.
-    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
+    def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         return self._map(_chunk_lloyd, centers, n_far, False)
 
     def full_pass(self, centers: np.ndarray):
@@ -430,7 +451,7 @@ class _DaskBackend:
         # Chunks hold contiguous row ranges: in chunk order the parts are in `uniq` order.
         return np.concatenate(self.client.gather(futs))[inverse.ravel()]
 
-    def lloyd_pass(self, centers: np.ndarray, n_far: int) -> list[dict]:
+    def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         futs = self._map("lloyd", _chunk_lloyd, range(len(self.chunks)), self._starts(),
                          centers, n_far, self._check, each=(0,))
         return self._checked(self.client.gather(futs))

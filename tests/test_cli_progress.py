@@ -22,9 +22,12 @@ def test_kmeans_bar_counts_runs_and_ends_at_100_percent(capsys):
     before = bar_lines(capsys.readouterr().err)
     progress.finish()
     after = bar_lines(capsys.readouterr().err)
-    # Runs stop early (here on convergence): the bar has not reached 100% by itself.
+    # Runs stop early (here on convergence): a run's share fills when it reports its last
+    # iteration, so the bar reaches 100% with the last run's last iteration, not before.
     assert res.stop_reason == "converged"
-    assert not any(line.startswith("k-means: 100%") for line in before)
+    full = [line.startswith("k-means: 100%") for line in before]
+    assert True in full and all(full[full.index(True):])
+    assert any("Lloyd pass" in line for line in before[:full.index(True)])
     assert any("run 4/4, Lloyd pass" in line for line in before)
     assert any("run 1/4, mini-batch step" in line for line in before)
     assert after[-1].startswith("k-means: 100%") and "4 runs done" in after[-1]

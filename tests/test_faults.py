@@ -454,18 +454,24 @@ def assert_same_kmeans(res, ref):
 
 
 @pytest.mark.parametrize(
-    "algorithm, task, where, iteration, committed",
+    "algorithm, task, where, iteration, committed, resumed",
     [
-        ("lloyd", "_chunk_lloyd", "Lloyd iteration 7", 7, "Lloyd iteration 4"),
+        # Both runs iterate in the same passes; the commit at iteration 4 comes after both
+        # runs' first phases (restart == n_init).
+        ("lloyd", "_chunk_lloyd", "runs 1, 2 of 2, Lloyd iteration 7", 7,
+         "Lloyd iteration 4 of the runs' shared passes", {"restart": 2, "step": 4}),
         # Rows of 4 steps per fetch: armed at step 6, the fetch at step 9 kills.
-        ("minibatch", "_chunk_take", r"mini-batch step 9 \(fetching the rows of steps 9-12\)",
-         9, "mini-batch step 8"),
-        # The default: armed at mini-batch step 6, the first Lloyd pass (after step 12) kills.
-        ("minibatch-lloyd", "_chunk_lloyd", "Lloyd iteration 1", 1, "mini-batch step 8"),
+        ("minibatch", "_chunk_take",
+         r"run 2/2, mini-batch step 9 \(fetching the rows of steps 9-12\)", 9,
+         "run 2/2, mini-batch step 8", {"restart": 1, "step": 8}),
+        # The default: armed at the second run's mini-batch step 6, the first shared Lloyd
+        # pass (after its step 12) kills.
+        ("minibatch-lloyd", "_chunk_lloyd", "runs 1, 2 of 2, Lloyd iteration 1", 1,
+         "before the runs' shared Lloyd passes", {"restart": 2, "step": 0}),
     ],
 )
 def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resumes(
-    nanny_client, tmp_path, monkeypatch, algorithm, task, where, iteration, committed
+    nanny_client, tmp_path, monkeypatch, algorithm, task, where, iteration, committed, resumed
 ):
     km = importlib.import_module("dkicf.kmeans")  # the module, not the function
     client, marker = nanny_client
@@ -488,8 +494,9 @@ def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resume
     try:
         with pytest.raises(
             WorkerFailureError,
-            match=rf"k-means failed at run 2/2, {where}: a task killed every worker .*memory "
-                  rf"limit.*The last k-means checkpoint, at run 2/2, {committed}, is in "
+            match=rf"k-means failed at {where}: a task killed every worker .*memory "
+                  rf"limit.*The last k-means checkpoint, {'' if 'before' in committed else 'at '}"
+                  rf"{committed}, is in "
                   r".*resume=True",
         ) as info:
             km.kmeans(P, 3, checkpoint=url, progress=arm, **kw)
@@ -498,7 +505,7 @@ def test_kmeans_task_killing_its_workers_fails_clearly_and_the_checkpoint_resume
     err = info.value
     assert (err.stage, err.iteration, err.checkpoint) == ("k-means", iteration, url)
     res = km.kmeans(P, 3, checkpoint=url, resume=True, **kw)
-    assert res.info["resumed_from"] == {"restart": 1, "step": int(committed.split()[-1])}
+    assert res.info["resumed_from"] == resumed
     assert_same_kmeans(res, km.kmeans(P, 3, checkpoint=str(tmp_path / "ref"), **kw))
 
 
@@ -526,7 +533,9 @@ def test_cli_fit_with_a_kmeans_task_killing_its_workers_fails_in_one_line(
     line = err.splitlines()[-1]  # after the progress bars, on a line of its own
     assert line.startswith("dkicf fit: error: k-means failed at run 1/1, Lloyd iteration 1: ")
     kmeans_checkpoint = tmp_path / "ck.zarr" / "kmeans"
-    assert f"No k-means checkpoint was committed yet in '{kmeans_checkpoint}'" in line
+    # The run's initialisation was committed: --resume continues from there.
+    assert (f"The last k-means checkpoint, before the runs' shared Lloyd passes, is in "
+            f"'{kmeans_checkpoint}'") in line
     assert "--resume" in line and "memory limit" in line
     assert (kmeans_checkpoint / "zarr.json").is_file()  # what --resume continues
     assert not (tmp_path / "model.zarr").exists()

@@ -339,3 +339,44 @@ def test_cluster_sums_dense_and_sparse_equal_numpy(k):
     np.add.at(expected, labels, x)
     assert (k * 300 > _BLOCK_ELEMENTS) == (k == 5000)
     np.testing.assert_allclose(_cluster_sums(x, labels, k), expected, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------ restarts in shared passes
+
+
+@pytest.mark.parametrize("algorithm", ["lloyd", "minibatch-lloyd"])
+def test_a_run_sharing_the_passes_equals_the_run_alone(algorithm):
+    """The restarts iterate in the same passes over P, each with its own matrix products:
+    the first of five runs is bit for bit the single run of the same seed."""
+    X = overlapping(500)
+    shared = kmeans(X, 4, algorithm=algorithm, n_init=5, random_state=3)
+    alone = kmeans(X, 4, algorithm=algorithm, n_init=1, random_state=3)
+    assert shared.inertias[0] == alone.inertia
+    assert len(set(shared.inertias)) > 1  # the other runs start elsewhere
+    if shared.inertias.index(min(shared.inertias)) == 0:
+        assert_array_equal(shared.cluster_centers, alone.cluster_centers)
+
+
+def test_the_runs_lloyd_iterations_share_their_passes(monkeypatch):
+    """One pass over P per Lloyd iteration of all the runs, not one per run and iteration:
+    the passes are the longest run's iterations and at most one pass that measures the
+    runs stopped by ``tol``."""
+    from dkicf import _kmeans_tasks
+
+    passes = []
+    real = _kmeans_tasks._NumpyBackend.lloyd_pass
+
+    def counted(self, centers, n_far):
+        passes.append(len(centers))
+        return real(self, centers, n_far)
+
+    monkeypatch.setattr(_kmeans_tasks._NumpyBackend, "lloyd_pass", counted)
+    seen: list[KMeansProgress] = []
+    res = kmeans(overlapping(500), 4, algorithm="lloyd", n_init=5, tol=1e-3, random_state=1,
+                 progress=seen.append)
+    per_run = [sum(1 for p in seen if p.restart == r) for r in range(5)]
+    assert max(per_run) <= len(passes) <= max(per_run) + 1
+    assert sum(passes) >= sum(per_run) > len(passes)
+    # Each run reports its last iteration once, as done.
+    assert sorted(p.restart for p in seen if p.done) == list(range(5))
+    assert res.n_steps_total == sum(per_run)

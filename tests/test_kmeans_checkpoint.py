@@ -154,11 +154,19 @@ def crash_in_process(url, kind, algorithm, client, where, restart, at, monkeypat
         # prefetch of 60 batches, which the resumed run draws again.
         (True, "numpy", "minibatch", "step", 1, 7, {"restart": 1, "step": 4}),
         # Arrays written at the second run's step 8, not committed: it resumes from step 4,
-        # and the best run so far (the first) is read back from the checkpoint.
+        # and the first run is read back from the checkpoint.
         (True, "dask", "minibatch", "arrays", -1, 22, {"restart": 1, "step": 4}),
-        (False, "dask", "lloyd", "arrays", -1, 14, {"restart": 1, "step": 4}),
-        (False, "numpy", "lloyd", "arrays", -1, 42, {"restart": 2, "step": 4}),
-        (False, "numpy", "lloyd", "commit", -1, 6, {"restart": 1, "step": 0}),
+        # The runs' shared Lloyd passes (restart == n_init), committed every 4 iterations:
+        # arrays written at iteration 8 (steps 6 + 8), resumed from iteration 4.
+        (False, "dask", "lloyd", "arrays", -1, 14, {"restart": 2, "step": 4}),
+        # Iteration 16 (6 + 16 + 16 steps) not committed: resumed from iteration 12.
+        (False, "numpy", "lloyd", "arrays", -1, 38, {"restart": 3, "step": 12}),
+        # The first run's initialisation is committed before the second run starts.
+        (False, "numpy", "lloyd", "commit", -1, 0, {"restart": 1, "step": 0}),
+        # The default, between the shared passes' commits at iterations 8 and 12: the
+        # first run's tenth Lloyd report.
+        (True, "numpy", "minibatch-lloyd", "step", 0, 10, {"restart": 2, "step": 8}),
+        (False, "dask", "minibatch-lloyd", "arrays", -1, 53, {"restart": 2, "step": 4}),
         (False, "dask", "minibatch", "commit", -1, 8, {"restart": 0, "step": 8}),
         (False, "dask", "minibatch", "step", 1, 3, {"restart": 1, "step": 0}),
     ],
@@ -200,8 +208,9 @@ def test_every_commit_of_the_default_fit_resumes_exactly(client, tmp_path, refer
     for at in commits:
         url = str(tmp_path / f"km{at}")
         crash_in_process(url, kind, "minibatch-lloyd", client, "commit", -1, at, monkeypatch)
-        run = zarr.open_group(url).attrs["dkicf"]["commit"]["state"]["run"]
-        phases.add(None if run is None else run["phase"])
+        state = zarr.open_group(url).attrs["dkicf"]["commit"]["state"]
+        phases.add(state["run"]["phase"] if state["run"] else
+                   "lloyd" if state["lloyd"] else None)
         assert_same_result(fit(kind, "minibatch-lloyd", client, checkpoint=url, resume=True),
                            ref)
     assert {"minibatch", "lloyd"} <= phases
