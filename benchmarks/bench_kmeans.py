@@ -66,14 +66,17 @@ class _Passes:
         km = sys.modules["dkicf._kmeans_tasks"]  # the numpy and dask k-means backends
         self.count = 0
         for backend in (km._NumpyBackend, km._DaskBackend):
-            for name in ("lloyd_pass", "full_pass", "nearest_update"):
+            for name in ("lloyd_pass", "full_pass"):
                 self._wrap(backend, name)
+        self._wrap(km._NumpyBackend, "nearest_update")
+        # The dask backend sends k-means|| as one graph: a pass per round and the first.
+        self._wrap(km._DaskBackend, "parallel_candidates", lambda a: len(a[2]) + 1)
 
-    def _wrap(self, cls, name):
+    def _wrap(self, cls, name, passes=lambda args: 1):
         original = getattr(cls, name)
 
         def counted(obj, *args, **kwargs):
-            self.count += 1
+            self.count += passes(args)
             return original(obj, *args, **kwargs)
 
         setattr(cls, name, counted)

@@ -24,7 +24,6 @@ import functools
 import json
 import math
 import mmap
-import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,7 +32,7 @@ from scipy.linalg.blas import dtrsm as _dtrsm
 from ._candidates import _top_rows, chunk_block_stats, rows_reaching_top
 from ._factor import History, PivotBlock
 from ._memory import _STREAM_BYTES
-from ._services import LazyChunk, materialize, report_summary, threadpool_limits
+from ._services import LazyChunk, materialize, report_summary, scratch, threadpool_limits
 from .kernels import Kernel
 
 _FLOAT = np.float64
@@ -554,27 +553,11 @@ def _stashed_rows(state: ChunkState, local: np.ndarray) -> np.ndarray | None:
 _SLICE_BYTES = 1 << 20
 _MIN_SLICE = 256
 
-_SCRATCH = threading.local()
-
-
 def _scratch(slot: int, rows: int, cols: int) -> np.ndarray:
-    """A C-ordered float64 ``(rows, cols)`` scratch array of this thread, reused across calls.
-
-    Block updates need a slice's kernel values and its product with P many
-    times per pass.  Fresh arrays of that size (about 1 MB) are memory maps
-    in a dask worker, whose nanny sets a small malloc trim threshold: every
-    slice would fault in new pages, which made the workers' block passes
-    about 1.5 times slower than the same work in the numpy backend.  Each
-    thread keeps its own buffers (a few MB) for the life of the process.
-    """
-    bufs = getattr(_SCRATCH, "bufs", None)
-    if bufs is None:
-        bufs = _SCRATCH.bufs = {}
-    need = rows * cols
-    buf = bufs.get(slot)
-    if buf is None or buf.shape[0] < need:
-        buf = bufs[slot] = np.empty(need, dtype=_FLOAT)
-    return buf[:need].reshape(rows, cols)
+    """This thread's float64 ``(rows, cols)`` scratch array ``slot`` (see
+    :func:`dkicf._services.scratch`): block updates need a slice's kernel values
+    and its product with P many times per pass."""
+    return scratch(("icf", slot), (rows, cols))
 
 # Largest stash of candidate rows a chunk state keeps (bytes).
 _STASH_BYTES = 32 << 20

@@ -157,22 +157,10 @@ def _oversample(backend, k: int, seeds: list, pos: _Position) -> list:
     ell = float(_PARALLEL_OVERSAMPLING * k)
     rngs = [np.random.default_rng(ss) for ss, _ in seeds]
     pos.at("init", 0)
-    first = backend.rows(np.array([rng.integers(backend.n) for rng in rngs]))
-    cands = [first[r:r + 1] for r in range(len(rngs))]
-    state, phis = backend.nearest_update(None, cands, [0] * len(rngs))
-    for rnd in range(1, _PARALLEL_ROUNDS + 1):
-        phi = [math.fsum(part[r] for part in phis) for r in range(len(rngs))]
-        keys = [int(rng.integers(np.iinfo(np.int64).max)) for rng in rngs]
-        live = [v if v > 0 else 0.0 for v in phi]
-        if not any(live):
-            break
-        pos.at("init", rnd)
-        drawn = backend.oversample(state, live, ell, keys)
-        if not any(rows.shape[0] for rows in drawn):
-            continue
-        state, phis = backend.nearest_update(state, drawn, [c.shape[0] for c in cands])
-        cands = [np.concatenate([c, rows]) for c, rows in zip(cands, drawn)]
-    counts = backend.candidate_counts(state, [c.shape[0] for c in cands])
+    first = np.array([rng.integers(backend.n) for rng in rngs])
+    keys = [[int(rng.integers(np.iinfo(np.int64).max)) for rng in rngs]
+            for _ in range(_PARALLEL_ROUNDS)]
+    cands, counts = backend.parallel_candidates(first, ell, keys)
     out = []
     for (_, fill), c, w in zip(seeds, cands, counts):
         w = w.astype(np.float64)

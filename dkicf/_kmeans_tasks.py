@@ -19,7 +19,15 @@ from scipy import sparse
 
 from ._cluster import get_client
 from ._memory import _gib, _worker_resources
-from ._services import ChunkBackend, LazyChunk, chunk_digest, materialize, threadpool_limits
+from ._services import (
+    ChunkBackend,
+    LazyChunk,
+    _aligned,
+    chunk_digest,
+    materialize,
+    scratch,
+    threadpool_limits,
+)
 from ._validation import is_dask_array
 
 # Rows x centres of the distance block a chunk kernel holds at once.
@@ -58,7 +66,12 @@ def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None, cr
     the caller already has them; ``cross``: the products ``x.c``, when the
     caller computed them (k-means|| does, in float32).
     """
-    d = x @ centers.T if cross is None else np.asarray(cross, dtype=np.float64)
+    # This thread's scratch block: a fresh one would fault in new pages in a worker.
+    d = scratch("kmeans-distances", (x.shape[0], centers.shape[0]))
+    if cross is None:
+        np.matmul(x, centers.T, out=d)
+    else:
+        np.copyto(d, cross)
     d *= -2.0
     d += c_sq
     d += (np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq)[:, None]
@@ -190,11 +203,14 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
     c32 = [c.astype(np.float32) for c in cands]
     for lo, hi, x in _row_blocks(p, offset, max(c.shape[0] for c in cands), check):
         x_sq = np.einsum("ij,ij->i", x, x)
-        x32 = x.astype(np.float32)
+        x32 = scratch("kmpar-rows", x.shape, np.float32)
+        np.copyto(x32, x, casting="same_kind")
         for r, (d2, label) in enumerate(new):
             if cands[r].shape[0] == 0:
                 continue
-            near, dist = _nearest(x, cands[r], c_sq[r], x_sq, cross=x32 @ c32[r].T)
+            cross = scratch("kmpar-cross", (x.shape[0], c32[r].shape[0]), np.float32)
+            np.matmul(x32, c32[r].T, out=cross)
+            near, dist = _nearest(x, cands[r], c_sq[r], x_sq, cross=cross)
             better = dist < d2[lo:hi]
             d2[lo:hi][better] = dist[better]
             label[lo:hi][better] = near[better] + firsts[r]
@@ -237,6 +253,42 @@ def _state_counts(states, sizes: list) -> list:
     return [np.bincount(label, minlength=m) for (_, label), m in zip(states, sizes)]
 
 
+def _phi_totals(phis: list) -> list:
+    """k-means||: each run's sum of squared distances, the chunks' sums added in chunk
+    order (0 where it is not positive: such a run draws nothing)."""
+    totals = (math.fsum(part[r] for part in phis) for r in range(len(phis[0])))
+    return [v if v > 0 else 0.0 for v in totals]
+
+
+def _add_draws(cands: list, draws: list) -> tuple[list, list, list]:
+    """k-means||: the chunks' drawn rows per run (chunk order), the number of each run's
+    candidates before them, and the candidates with them."""
+    drawn = [np.concatenate([part[r] for part in draws]) for r in range(len(cands))]
+    return drawn, [c.shape[0] for c in cands], [np.concatenate(pair) for pair in zip(cands, drawn)]
+
+
+def _parallel_rounds(backend, first: np.ndarray, ell: float, keys: list) -> tuple[list, list]:
+    """k-means|| round by round through the backend's passes (the numpy backend's way).
+
+    ``first``: each run's first candidate's row index; ``keys[t][r]``: the
+    hash key of run ``r``'s draws in round ``t``.  Returns each run's
+    candidates and, per candidate, the number of rows nearest to it.
+    """
+    rows = backend.rows(first)
+    cands = [rows[r:r + 1] for r in range(len(first))]
+    state, phis = backend.nearest_update(None, cands, [0] * len(first))
+    for round_keys in keys:
+        live = _phi_totals(phis)
+        if not any(live):
+            break
+        drawn = backend.oversample(state, live, ell, round_keys)
+        if not any(rows.shape[0] for rows in drawn):
+            continue
+        state, phis = backend.nearest_update(state, drawn, [c.shape[0] for c in cands])
+        cands = [np.concatenate([c, rows]) for c, rows in zip(cands, drawn)]
+    return cands, backend.candidate_counts(state, [c.shape[0] for c in cands])
+
+
 def _chunk_distinct(p, offset: int, k: int, direction: np.ndarray,
                     check: bool = True) -> np.ndarray:
     """Up to ``k`` distinct projections of the chunk's rows on ``direction``.
@@ -259,6 +311,26 @@ def _chunk_distinct(p, offset: int, k: int, direction: np.ndarray,
 def _chunk_take(p, local: np.ndarray) -> np.ndarray:
     """Rows of a chunk at local indices, as float64."""
     return np.asarray(p[local], dtype=np.float64)
+
+
+def _rows_of(taken: tuple) -> np.ndarray:
+    """The rows of ``_DaskBackend._take`` (its parts and their order), as asked."""
+    parts, order = taken
+    return np.concatenate(parts)[order]
+
+
+def _split_rows(rows: np.ndarray) -> list:
+    """One candidate per run: the runs' first rows, each a (1, s) array."""
+    return [rows[r:r + 1] for r in range(rows.shape[0])]
+
+
+def _sizes(cands: list) -> list:
+    return [c.shape[0] for c in cands]
+
+
+def _sum_counts(parts: list) -> list:
+    """k-means||: the chunks' counts per candidate, added per run."""
+    return [np.sum([part[r] for part in parts], axis=0) for r in range(len(parts[0]))]
 
 
 def _in_task(fn, *args):
@@ -291,14 +363,9 @@ class KMeansBackend(ChunkBackend, Protocol):
     def full_pass(self, centers: np.ndarray):
         """Per chunk: labels (kept where the chunk lives), inertia and counts."""
 
-    def nearest_update(self, state, cands: list, firsts: list):
-        """k-means||: each row's distance to its nearest candidate, updated by new ones."""
-
-    def oversample(self, state, phis: list, ell: float, keys: list) -> list:
-        """k-means||: the rows each chunk draws as candidates, seeded by global index."""
-
-    def candidate_counts(self, state, sizes: list) -> list:
-        """k-means||: how many rows are nearest to each candidate."""
+    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list):
+        """k-means|| for several runs: their candidates and the rows nearest to each
+        (see :func:`_parallel_rounds`); one read of P per round."""
 
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
         """Up to ``k`` distinct rows per chunk (the check that k fits P)."""
@@ -368,6 +435,9 @@ class _NumpyBackend:
         parts = [_state_counts(st, sizes) for st in state]
         return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
 
+    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list):
+        return _parallel_rounds(self, first, ell, keys)
+
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
         return self._map(_chunk_distinct, k, direction, False)
 
@@ -404,7 +474,13 @@ class _DaskBackend:
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
         if persist:
             _check_fits(self.client, P, limits)
-            self.blocks = self.client.compute(list(P.to_delayed().ravel()))
+            # Chunks that arrived by a transfer (P made from a numpy array, for one)
+            # are copied once where they are into memory the worker allocated; the
+            # others are kept as they are.
+            held = self.client.compute(list(P.to_delayed().ravel()))
+            self.blocks = [self.client.submit(_aligned, f, key=f"kmeans-p-{self.token}-{j}")
+                           for j, f in enumerate(held)]
+            del held
         else:
             # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
             self.blocks = LazyChunk.row_chunks(P)
@@ -445,16 +521,9 @@ class _DaskBackend:
                                key=[f"{f.key}-{suffix}" for f in futures])
 
     def rows(self, index: np.ndarray) -> np.ndarray:
-        index = np.asarray(index, dtype=np.int64)
-        uniq, inverse = np.unique(index, return_inverse=True)
-        owner = np.searchsorted(self.offsets, uniq, side="right") - 1
-        cuts = np.searchsorted(owner, np.arange(len(self.chunks) + 1))
-        wanted = [(j, uniq[lo:hi] - self.offsets[j])
-                  for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])) if hi > lo]
-        futs = self._map("rows", _chunk_take, [j for j, _ in wanted],
-                         [local for _, local in wanted], each=(0,))
+        futs, order = self._take(index)
         # Chunks hold contiguous row ranges: in chunk order the parts are in `uniq` order.
-        return np.concatenate(self.client.gather(futs))[inverse.ravel()]
+        return np.concatenate(self.client.gather(futs))[order]
 
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         futs = self._map("lloyd", _chunk_lloyd, range(len(self.chunks)), self._starts(),
@@ -476,26 +545,56 @@ class _DaskBackend:
         )
         return labels, stats
 
-    def nearest_update(self, state, cands: list, firsts: list):
-        """k-means|| pass: new per-chunk states (futures, kept on the workers) and their sums."""
-        states = [None] * len(self.chunks) if state is None else list(state)
-        both = self._map("kmpar", _chunk_nearest_update, range(len(self.chunks)),
-                         self._starts(), states, cands, firsts, self._check, each=(0, 1))
-        new = self._parts(both, 0, "state")
-        phi = self._checked(self.client.gather(self._parts(both, 1, "phi")))
-        return new, phi
+    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list):
+        """k-means|| as one graph: every round's passes, sums and draws, sent at once.
 
-    def oversample(self, state, phis: list, ell: float, keys: list) -> list:
-        futs = self._map("kmpar-draw", _chunk_oversample, range(len(self.chunks)),
-                         self._starts(), list(state), phis, ell, keys, each=(0, 1))
-        parts = self.client.gather(futs)
-        return [np.concatenate([part[r] for part in parts]) for r in range(len(phis))]
+        The tasks are those of :func:`_parallel_rounds`, with the reductions
+        between rounds (the runs' sums, the drawn rows) run as tasks too:
+        only the candidates and their counts come back, in one request, where
+        round by round the driver would wait for the workers twice a round.
+        The distance states stay where their chunks are; what moves between
+        workers is the chunks' sums and drawn rows, a few rows per run.
+        """
+        submit = self.client.submit
+        every = range(len(self.chunks))
+        name = f"kmpar-{self.token}"
+        cands = submit(_rows_of, self._take(first), key=f"{name}-first")
+        cands = submit(_split_rows, cands, key=f"{name}-cands-0")
+        firsts = [0] * len(first)
+        states, drawn, phis = [None] * len(self.chunks), cands, None
+        for t, round_keys in enumerate([None, *keys]):
+            if round_keys is not None:
+                live = submit(_phi_totals, phis, key=f"{name}-phi-{t}")
+                draws = self._map(f"draw-{t}", _chunk_oversample, every, self._starts(),
+                                  states, live, ell, round_keys, each=(0, 1))
+                added = submit(_add_draws, cands, draws, key=f"{name}-add-{t}")
+                drawn, firsts, cands = (self._item(added, i, f"{name}-add-{t}") for i in range(3))
+            both = self._map(f"update-{t}", _chunk_nearest_update, every, self._starts(),
+                             states, drawn, firsts, self._check and t == 0, each=(0, 1))
+            states = self._parts(both, 0, "state")
+            phis = self._parts(both, 1, "phi")
+        sizes = submit(_sizes, cands, key=f"{name}-sizes")
+        counts = self.client.map(_state_counts, states, [sizes] * len(states),
+                                 key=[f"{st.key}-counts" for st in states])
+        total = submit(_sum_counts, counts, key=f"{name}-counts")
+        cands, total = self.client.gather([cands, total])
+        return self._checked(cands), total
 
-    def candidate_counts(self, state, sizes: list) -> list:
-        futs = self.client.map(_state_counts, list(state), [sizes] * len(state),
-                               key=[f"{st.key}-counts" for st in state])
-        parts = self.client.gather(futs)
-        return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
+    def _item(self, future, index: int, prefix: str):
+        return self.client.submit(operator.getitem, future, index, key=f"{prefix}-{index}")
+
+    def _take(self, index: np.ndarray) -> list:
+        """Futures of the rows at the global ``index`` (in sorted order of the unique
+        indices, chunk by chunk) and the order that puts them back as asked."""
+        index = np.asarray(index, dtype=np.int64)
+        uniq, inverse = np.unique(index, return_inverse=True)
+        owner = np.searchsorted(self.offsets, uniq, side="right") - 1
+        cuts = np.searchsorted(owner, np.arange(len(self.chunks) + 1))
+        wanted = [(j, uniq[lo:hi] - self.offsets[j])
+                  for j, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])) if hi > lo]
+        futs = self._map("rows", _chunk_take, [j for j, _ in wanted],
+                         [local for _, local in wanted], each=(0,))
+        return futs, inverse.ravel()
 
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
         futs = self._map("distinct", _chunk_distinct, range(len(self.chunks)),
