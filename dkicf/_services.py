@@ -414,13 +414,14 @@ def scratch(slot, shape: tuple[int, ...], dtype=np.float64) -> np.ndarray:
 
 
 def _aligned(x):
-    """``x`` itself where BLAS reads it at full speed (C-ordered, 16-byte aligned), else
-    a copy in memory this process allocated.
+    """``x`` itself where BLAS reads it at full speed (contiguous, 16-byte aligned), else
+    a C-ordered copy in memory this process allocated.
 
     A chunk unpickled from a transfer can sit at any offset of its message's
     buffer: a matrix product reads such a chunk at about half speed.
     """
-    if isinstance(x, np.ndarray) and x.flags.c_contiguous and x.ctypes.data % 16 == 0:
+    if isinstance(x, np.ndarray) and (x.flags.c_contiguous or x.flags.f_contiguous) and (
+            x.ctypes.data % 16 == 0):
         return x
     return np.array(x, order="C", copy=True)
 
