@@ -536,7 +536,6 @@ def _verbose_progress(verbose: int, progress):
     """``progress``, plus the lines of ``verbose`` on stdout."""
     if verbose < 1:
         return progress
-    runs = {}
 
     def report(info) -> None:
         if progress is not None:
@@ -548,14 +547,11 @@ def _verbose_progress(verbose: int, progress):
                       f"{info.trace_error:.4g} of {info.initial_trace:.4g}, "
                       f"{info.n_passes} passes")
             return
-        restart = getattr(info, "restart", 0)
+        run = f"k-means run {info.restart + 1}/{info.n_init}"
         if verbose >= 2:
-            print(f"k-means run {restart + 1}/{getattr(info, 'n_init', 1)}: step "
-                  f"{getattr(info, 'step', '?')}, inertia {getattr(info, 'inertia', 0.0):.6g}")
-        elif restart not in runs and runs:
-            last = max(runs)
-            print(f"k-means run {last + 1}: inertia {runs[last]:.6g}")
-        runs[restart] = getattr(info, "inertia", float("nan"))
+            print(f"{run}: {info.phase} step {info.step}, inertia {info.inertia:.6g}")
+        elif info.done:
+            print(f"{run} done at {info.phase} step {info.step}: inertia {info.inertia:.6g}")
 
     return report
 

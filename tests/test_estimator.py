@@ -313,11 +313,14 @@ def test_verbose_prints_progress(capsys):
     KernelKMeans(n_clusters=2, gamma=16.0, rank=10, n_init=2, random_state=0,
                  verbose=1).fit(X)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("k-means run 1: inertia ")
+    # One line per run, when it ends (both in the shared Lloyd passes).
+    assert sorted(line.split(" done at ")[0] for line in lines[:-1]) == [
+        "k-means run 1/2", "k-means run 2/2"]
+    assert all(" done at lloyd step " in line for line in lines[:-1])
     assert lines[-1].startswith("KernelKMeans: rank 10 (max_rank), trace error ")
     KernelKMeans(n_clusters=2, gamma=16.0, rank=10, n_init=1, random_state=0,
                  verbose=2).fit(X)
     out = capsys.readouterr().out
-    assert "factorization: rank 10/10" in out and "k-means run 1/1: step 1," in out
+    assert "factorization: rank 10/10" in out and "k-means run 1/1: minibatch step 1," in out
     with pytest.raises(ValueError, match="verbose must be an integer >= 0"):
         KernelKMeans(verbose=-1).fit(X)
