@@ -333,6 +333,12 @@ def _sum_counts(parts: list) -> list:
     return [np.sum([part[r] for part in parts], axis=0) for r in range(len(parts[0]))]
 
 
+def _in_task_chunks(run, fn, blocks: list, starts: list, *args) -> list:
+    """``run(fn, chunk, start, *args)`` (:func:`_in_task`) over several chunks in one
+    task, their results in order."""
+    return [run(fn, b, start, *args) for b, start in zip(blocks, starts)]
+
+
 def _in_task(fn, *args):
     """Run a block kernel in a dask task with one BLAS thread.
 
@@ -487,6 +493,7 @@ class _DaskBackend:
         # P's rows are checked for NaN and infinity by the first full pass
         # only: on 2 cores the check took as long as a Lloyd pass's own work.
         self._check = True
+        self._persist, self._grouping = persist, None
 
     def _starts(self) -> list[int]:
         return [int(off) for off in self.offsets[:-1]]
@@ -526,9 +533,52 @@ class _DaskBackend:
         return np.concatenate(self.client.gather(futs))[order]
 
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
-        futs = self._map("lloyd", _chunk_lloyd, range(len(self.chunks)), self._starts(),
-                         centers, n_far, self._check, each=(0,))
-        return self._checked(self.client.gather(futs))
+        groups = self._groups()
+        if groups is None:
+            futs = self._map("lloyd", _chunk_lloyd, range(len(self.chunks)), self._starts(),
+                             centers, n_far, self._check, each=(0,))
+            return self._checked(self.client.gather(futs))
+        from dask.base import tokenize
+
+        blocks = [[self.blocks[j] for j in g] for g in groups]
+        starts = [[int(self.offsets[j]) for j in g] for g in groups]
+        keys = [f"kmeans-lloyd-{tokenize(self.token, [b.key for b in bs], centers, n_far)}"
+                for bs in blocks]
+        futs = self.client.map(_in_task_chunks, [_in_task] * len(groups),
+                               [_chunk_lloyd] * len(groups), blocks, starts,
+                               [centers] * len(groups), [n_far] * len(groups),
+                               [self._check] * len(groups), key=keys)
+        parts = [None] * len(self.chunks)
+        for g, found in zip(groups, self.client.gather(futs)):
+            for j, part in zip(g, found):
+                parts[j] = part
+        return self._checked(parts)
+
+    def _groups(self) -> list[list[int]] | None:
+        """P's chunks grouped by the worker thread that holds them, in chunk order: a
+        Lloyd pass sends one task per group, not per chunk (a task costs the scheduler
+        and the workers a few milliseconds, a pass's whole work on a small P).
+
+        None (one task per chunk) while some chunk is not held yet, or for chunks
+        read from P's source in every task.  Found once per fit: a chunk computed
+        again elsewhere after a worker died is fetched by its group's task.
+        """
+        if self._grouping is not None or not self._persist:
+            return self._grouping
+        holders = self.client.who_has(self.blocks)
+        nthreads = self.client.nthreads()
+        homes = [(holders.get(b.key) or [None])[0] for b in self.blocks]
+        if None in homes:
+            return None
+        by_home: dict[str, list[int]] = {}
+        for j, home in enumerate(homes):
+            by_home.setdefault(home, []).append(j)
+        groups = []
+        for home, chunks in by_home.items():
+            n = min(len(chunks), max(1, nthreads.get(home, 1)))
+            groups += [[int(j) for j in part] for part in np.array_split(chunks, n)]
+        self._grouping = sorted(groups)
+        return self._grouping
 
     def full_pass(self, centers: np.ndarray):
         import dask.array as da

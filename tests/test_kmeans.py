@@ -380,3 +380,49 @@ def test_the_runs_lloyd_iterations_share_their_passes(monkeypatch):
     # Each run reports its last iteration once, as done.
     assert sorted(p.restart for p in seen if p.done) == list(range(5))
     assert res.n_steps_total == sum(per_run)
+
+
+def test_a_lloyd_pass_sends_one_task_per_worker_thread(km_client, monkeypatch):
+    """Eight chunks on 2 workers x 1 thread: each pass is 2 tasks, with the numpy result."""
+    import dask.array as da
+    from distributed import get_task_stream
+
+    from dkicf import _kmeans_tasks
+
+    passes = []
+    real = _kmeans_tasks._DaskBackend.lloyd_pass
+
+    def counted(self, centers, n_far):
+        passes.append(len(centers))
+        return real(self, centers, n_far)
+
+    monkeypatch.setattr(_kmeans_tasks._DaskBackend, "lloyd_pass", counted)
+    P = overlapping(800)
+    Pd = km_client.persist(da.from_array(P, chunks=(100, -1)))
+    kw = {"algorithm": "lloyd", "init": "k-means++", "n_init": 2, "random_state": 0}
+    with get_task_stream(km_client) as ts:
+        res = kmeans(Pd, 3, client=km_client, **kw)
+    keys = {rec["key"] for rec in ts.data
+            if isinstance(rec["key"], str) and rec["key"].startswith("kmeans-lloyd-")}
+    assert passes and len(keys) == 2 * len(passes)
+    ref = kmeans(P, 3, **kw)
+    assert_array_equal(res.labels.compute(), ref.labels)
+    assert_allclose(res.inertias, ref.inertias, rtol=1e-12)
+
+
+def test_chunks_left_misaligned_by_a_transfer_are_copied_once():
+    from dkicf._services import _aligned, scratch
+
+    buf = bytearray(8 * 60 + 1)
+    odd = np.frombuffer(buf, dtype=np.float64, offset=1, count=60).reshape(20, 3)
+    odd[...] = np.arange(60.0).reshape(20, 3)
+    fixed = _aligned(odd)
+    assert odd.ctypes.data % 8 != 0 and fixed.ctypes.data % 16 == 0
+    assert_array_equal(fixed, odd)
+    kept = np.arange(60.0).reshape(20, 3)
+    fortran = kept.T
+    assert _aligned(kept) is kept and _aligned(fortran) is fortran
+    # A thread's scratch array is reused for the same slot, grown when asked for more.
+    a = scratch("test", (4, 5))
+    assert scratch("test", (2, 5)).base is a.base
+    assert scratch("test", (40, 5)).shape == (40, 5)
