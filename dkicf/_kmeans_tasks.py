@@ -254,17 +254,52 @@ def _state_counts(states, sizes: list) -> list:
 
 
 def _phi_totals(phis: list) -> list:
-    """k-means||: each run's sum of squared distances, the chunks' sums added in chunk
-    order (0 where it is not positive: such a run draws nothing)."""
+    """k-means||: each run's sum of squared distances over the chunks' sums, correctly
+    rounded whatever their order (0 where it is not positive: such a run draws nothing).
+
+    ``phis``: one list of per-run sums per chunk, or (dask) one such list of
+    lists per group of chunks."""
+    if phis and isinstance(phis[0][0], list):
+        phis = [part for group in phis for part in group]
     totals = (math.fsum(part[r] for part in phis) for r in range(len(phis[0])))
     return [v if v > 0 else 0.0 for v in totals]
 
 
-def _add_draws(cands: list, draws: list) -> tuple[list, list, list]:
+def _add_draws(cands: list, draws: list, order=None) -> tuple[list, list, list]:
     """k-means||: the chunks' drawn rows per run (chunk order), the number of each run's
-    candidates before them, and the candidates with them."""
+    candidates before them, and the candidates with them.
+
+    ``draws``: per chunk, or (dask) per group of chunks, the chunks of the
+    groups listed in ``order``."""
+    if order is not None:
+        flat = [part for group in draws for part in group]
+        draws = [flat[i] for i in np.argsort(order, kind="stable")]
     drawn = [np.concatenate([part[r] for part in draws]) for r in range(len(cands))]
     return drawn, [c.shape[0] for c in cands], [np.concatenate(pair) for pair in zip(cands, drawn)]
+
+
+def _group_update(run, blocks: list, starts: list, previous, drawn: list, firsts: list,
+                  check: bool) -> list:
+    """k-means|| distance update of a group's chunks: per chunk ``(states, phis)``
+    (``previous``: the group's last update, None before the first)."""
+    return [run(_chunk_nearest_update, b, start, None if previous is None else previous[i][0],
+                drawn, firsts, check) for i, (b, start) in enumerate(zip(blocks, starts))]
+
+
+def _group_phis(updated: list) -> list:
+    return [phis for _, phis in updated]
+
+
+def _group_draw(run, blocks: list, starts: list, updated: list, live: list, ell: float,
+                keys: list) -> list:
+    """k-means||: the rows each chunk of a group draws, per chunk."""
+    return [run(_chunk_oversample, b, start, updated[i][0], live, ell, keys)
+            for i, (b, start) in enumerate(zip(blocks, starts))]
+
+
+def _group_counts(updated: list, sizes: list) -> list:
+    """k-means||: a group's counts per candidate, added over its chunks, per run."""
+    return _sum_counts([_state_counts(states, sizes) for states, _ in updated])
 
 
 def _parallel_rounds(backend, first: np.ndarray, ell: float, keys: list) -> tuple[list, list]:
@@ -598,34 +633,40 @@ class _DaskBackend:
     def parallel_candidates(self, first: np.ndarray, ell: float, keys: list):
         """k-means|| as one graph: every round's passes, sums and draws, sent at once.
 
-        The tasks are those of :func:`_parallel_rounds`, with the reductions
-        between rounds (the runs' sums, the drawn rows) run as tasks too:
-        only the candidates and their counts come back, in one request, where
-        round by round the driver would wait for the workers twice a round.
-        The distance states stay where their chunks are; what moves between
-        workers is the chunks' sums and drawn rows, a few rows per run.
+        The tasks are those of :func:`_parallel_rounds`, one per group of
+        chunks (:meth:`_groups`), with the reductions between rounds (the
+        runs' sums, the drawn rows) run as tasks too: only the candidates
+        and their counts come back, in one request, where round by round the
+        driver would wait for the workers twice a round.  The distance
+        states stay with their chunks; what moves between workers is the
+        groups' sums and drawn rows, a few rows per run.
         """
         submit = self.client.submit
-        every = range(len(self.chunks))
+        groups = self._groups() or [[j] for j in range(len(self.chunks))]
+        order = [j for group in groups for j in group]
+        blocks = [[self.blocks[j] for j in group] for group in groups]
+        starts = [[int(self.offsets[j]) for j in group] for group in groups]
         name = f"kmpar-{self.token}"
         cands = submit(_rows_of, self._take(first), key=f"{name}-first")
         cands = submit(_split_rows, cands, key=f"{name}-cands-0")
         firsts = [0] * len(first)
-        states, drawn, phis = [None] * len(self.chunks), cands, None
+        updated, drawn = [None] * len(groups), cands
         for t, round_keys in enumerate([None, *keys]):
             if round_keys is not None:
+                phis = [submit(_group_phis, u, key=f"{name}-phi-{t}-{g}")
+                        for g, u in enumerate(updated)]
                 live = submit(_phi_totals, phis, key=f"{name}-phi-{t}")
-                draws = self._map(f"draw-{t}", _chunk_oversample, every, self._starts(),
-                                  states, live, ell, round_keys, each=(0, 1))
-                added = submit(_add_draws, cands, draws, key=f"{name}-add-{t}")
+                draws = [submit(_group_draw, _in_task, b, st, u, live, ell, round_keys,
+                                key=f"{name}-draw-{t}-{g}")
+                         for g, (b, st, u) in enumerate(zip(blocks, starts, updated))]
+                added = submit(_add_draws, cands, draws, order, key=f"{name}-add-{t}")
                 drawn, firsts, cands = (self._item(added, i, f"{name}-add-{t}") for i in range(3))
-            both = self._map(f"update-{t}", _chunk_nearest_update, every, self._starts(),
-                             states, drawn, firsts, self._check and t == 0, each=(0, 1))
-            states = self._parts(both, 0, "state")
-            phis = self._parts(both, 1, "phi")
+            updated = [submit(_group_update, _in_task, b, st, u, drawn, firsts,
+                              self._check and t == 0, key=f"{name}-update-{t}-{g}")
+                       for g, (b, st, u) in enumerate(zip(blocks, starts, updated))]
         sizes = submit(_sizes, cands, key=f"{name}-sizes")
-        counts = self.client.map(_state_counts, states, [sizes] * len(states),
-                                 key=[f"{st.key}-counts" for st in states])
+        counts = [submit(_group_counts, u, sizes, key=f"{name}-counts-{g}")
+                  for g, u in enumerate(updated)]
         total = submit(_sum_counts, counts, key=f"{name}-counts")
         cands, total = self.client.gather([cands, total])
         return self._checked(cands), total
