@@ -17,7 +17,10 @@ Inputs: P of PenDigits (s = 50, gamma 2^-16 on the raw features) and of MNIST
 absent), and P of 10 Gaussian blobs in 16-D (gamma 0.02, s = 150, ``--n`` rows,
 default 2e6).  Every method runs on the same P, one after the other.
 
-Run: python benchmarks/bench_kmeans.py [--n 2000000] [--skip-dask] [--quick]
+``--restarts`` times the default with 1, 2, 3, 5 and 10 restarts instead
+(numpy backend): what restarts cost now that they share their passes.
+
+Run: python benchmarks/bench_kmeans.py [--n 2000000] [--skip-dask] [--quick] [--restarts]
      [--only pendigits mnist synthetic]
 """
 
@@ -99,6 +102,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the default and the former default only (no other options)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--restarts", action="store_true",
+                        help="the default with n_init = 1, 2, 3, 5, 10 (numpy backend only)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", RuntimeWarning)
     warnings.filterwarnings("ignore", message="Sending large graph")
@@ -123,6 +128,8 @@ def main(argv=None) -> None:
     ]
     if args.quick:
         options = [options[0], options[4]]
+    if args.restarts:  # what restarts cost: the default with 1 to 10 of them, numpy only
+        options = [(f"default, n_init={r}", {"n_init": r}) for r in (1, 2, 3, 5, 10)]
     try:
         for name, P, t_icf, k in _inputs(args.only, int(args.n)):
             print(f"\n## {name}: P {P.shape[0]} x {P.shape[1]}, k = {k}; "
@@ -137,7 +144,7 @@ def main(argv=None) -> None:
                   "| / MiniBatchKMeans(3) | passes over P | share of ICF |")
             print("|---|---|---|---|---|---|---|---|")
             runs = [(label, kw, "numpy") for label, kw in options]
-            if client is not None:
+            if client is not None and not args.restarts:
                 runs.insert(1, (options[0][0], {}, "dask 2x1"))
             Pd = None
             for label, kw, backend in runs:
