@@ -47,7 +47,7 @@ _CHECKPOINT_EVERY = {"minibatch": 100, "lloyd": 5}
 
 
 # k-means||: rounds of oversampling, and candidates drawn per round per cluster.
-_PARALLEL_ROUNDS = 5
+_PARALLEL_ROUNDS = 3
 
 
 _PARALLEL_OVERSAMPLING = 2

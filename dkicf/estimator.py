@@ -86,7 +86,7 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         mini-batch alone (fastest, stops short of the optimum), or Lloyd alone
         (see :func:`dkicf.kmeans.kmeans`).
     init : {"k-means||", "k-means++"}, default="k-means||"
-        Initial centres: k-means|| over all rows of P (6 passes over P that
+        Initial centres: k-means|| over all rows of P (4 passes over P that
         the restarts share; finds small clusters), or k-means++ on a sample
         of rows.
     batch_size : int, default=1024

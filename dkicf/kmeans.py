@@ -101,7 +101,7 @@ def kmeans(
         steps alone (cheapest, short of the optimum); or Lloyd alone.
     init : {"k-means||", "k-means++"} or ndarray of shape (n_clusters, n_features), \
 default="k-means||"
-        ``"k-means||"`` (Bahmani et al. 2012; 6 passes over P shared by all
+        ``"k-means||"`` (Bahmani et al. 2012; 4 passes over P shared by all
         runs, then weighted k-means++ on the candidates: it finds small
         clusters a sample misses), ``"k-means++"`` on the init sample, or
         the initial centres (a single run).
