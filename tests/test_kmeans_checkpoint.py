@@ -163,10 +163,11 @@ def crash_in_process(url, kind, algorithm, client, where, restart, at, monkeypat
         (False, "numpy", "lloyd", "arrays", -1, 38, {"restart": 3, "step": 12}),
         # The first run's initialisation is committed before the second run starts.
         (False, "numpy", "lloyd", "commit", -1, 0, {"restart": 1, "step": 0}),
-        # The default, between the shared passes' commits at iterations 8 and 12: the
-        # first run's tenth Lloyd report.
-        (True, "numpy", "minibatch-lloyd", "step", 0, 10, {"restart": 2, "step": 8}),
-        (False, "dask", "minibatch-lloyd", "arrays", -1, 53, {"restart": 2, "step": 4}),
+        # The default, between the shared passes' commits at iterations 12 and 16: the
+        # first run's Lloyd report 14 (its mini-batch phase ended at step 10).
+        (True, "numpy", "minibatch-lloyd", "step", 0, 14, {"restart": 2, "step": 12}),
+        # Arrays of iteration 20 (steps 16 + 20 + 11) written, not committed: from 16.
+        (False, "dask", "minibatch-lloyd", "arrays", -1, 47, {"restart": 2, "step": 16}),
         (False, "dask", "minibatch", "commit", -1, 8, {"restart": 0, "step": 8}),
         (False, "dask", "minibatch", "step", 1, 3, {"restart": 1, "step": 0}),
     ],
