@@ -426,3 +426,19 @@ def test_chunks_left_misaligned_by_a_transfer_are_copied_once():
     a = scratch("test", (4, 5))
     assert scratch("test", (2, 5)).base is a.base
     assert scratch("test", (40, 5)).shape == (40, 5)
+
+
+def test_kmeans_parallel_draws_of_groups_come_back_in_chunk_order():
+    """A worker's group can hold chunks 0 and 2 while another holds 1 and 3: the drawn rows
+    are put back in chunk order, as the numpy backend concatenates them."""
+    from dkicf._kmeans_tasks import _add_draws, _phi_totals
+
+    rows = {j: [np.full((1, 2), 10.0 * j + r) for r in range(2)] for j in range(4)}
+    cands = [np.zeros((1, 2)), np.ones((1, 2))]
+    drawn, firsts, added = _add_draws(cands, [[rows[0], rows[2]], [rows[1], rows[3]]],
+                                      order=[0, 2, 1, 3])
+    assert [d[:, 0].tolist() for d in drawn] == [[0.0, 10.0, 20.0, 30.0], [1.0, 11.0, 21.0, 31.0]]
+    assert firsts == [1, 1] and added[1][:, 0].tolist() == [1.0, 1.0, 11.0, 21.0, 31.0]
+    # The runs' sums over the chunks, grouped or not, and 0 where nothing is left to draw.
+    chunks = [[1e16, 0.0], [1.0, 0.0], [-1e16, 0.0]]
+    assert _phi_totals(chunks) == _phi_totals([[chunks[0], chunks[2]], [chunks[1]]]) == [1.0, 0.0]
