@@ -230,6 +230,24 @@ def test_a_fit_without_seed_resumes_with_the_seeds_it_saved(tmp_path, monkeypatc
 # ----------------------------------------------------------------- refusals and no-ops
 
 
+def test_a_commit_of_the_earlier_run_by_run_layout_is_refused_untouched(tmp_path, monkeypatch):
+    """Commits made before the restarts shared their Lloyd passes hold one run's state at a
+    time: resuming one is refused, naming the fix, and the checkpoint is left as it was."""
+    import zarr
+
+    url = str(tmp_path / "km")
+    crash_in_process(url, "numpy", "minibatch", None, "commit", -1, 8, monkeypatch)
+    group = zarr.open_group(url)
+    meta = group.attrs["dkicf"]
+    del meta["commit"]["state"]["layout"]  # as the earlier layout wrote it
+    group.attrs["dkicf"] = meta
+    with pytest.raises(CheckpointMismatchError, match=r"earlier version of dkicf.*overwrite=True"):
+        fit("numpy", "minibatch", checkpoint=url, resume=True)
+    assert zarr.open_group(url).attrs["dkicf"] == meta
+
+
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
