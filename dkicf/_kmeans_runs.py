@@ -583,8 +583,8 @@ def _open_checkpoint(backend, P, cfg: _Config, seed, url, every, resume: bool,
     return _Checkpointer(store, every)
 
 
-def _worker_failure(exc: BaseException, pos: _Position, algorithm: str,
-                    ckpt: _Checkpointer | None, url: str | None):
+def _worker_failure(exc: BaseException, pos: _Position, ckpt: _Checkpointer | None,
+                    url: str | None):
     """The :class:`~dkicf.errors.WorkerFailureError` of a k-means task that killed its workers.
 
     It names the run and the step (or the shared pass) and, with a

@@ -568,17 +568,13 @@ class _DaskBackend:
         return np.concatenate(self.client.gather(futs))[order]
 
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
-        groups = self._groups()
-        if groups is None:
-            futs = self._map("lloyd", _chunk_lloyd, range(len(self.chunks)), self._starts(),
-                             centers, n_far, self._check, each=(0,))
-            return self._checked(self.client.gather(futs))
         from dask.base import tokenize
 
+        groups = self._groups() or [[j] for j in range(len(self.chunks))]
         blocks = [[self.blocks[j] for j in g] for g in groups]
         starts = [[int(self.offsets[j]) for j in g] for g in groups]
         keys = [f"kmeans-lloyd-{tokenize(self.token, [b.key for b in bs], centers, n_far)}"
-                for bs in blocks]
+                f"-{int(self._check)}" for bs in blocks]
         futs = self.client.map(_in_task_chunks, [_in_task] * len(groups),
                                [_chunk_lloyd] * len(groups), blocks, starts,
                                [centers] * len(groups), [n_far] * len(groups),
@@ -591,10 +587,10 @@ class _DaskBackend:
 
     def _groups(self) -> list[list[int]] | None:
         """P's chunks grouped by the worker thread that holds them, in chunk order: a
-        Lloyd pass sends one task per group, not per chunk (a task costs the scheduler
-        and the workers a few milliseconds, a pass's whole work on a small P).
+        pass sends one task per group, not per chunk (a task costs the scheduler and
+        the workers a few milliseconds, a pass's whole work on a small P).
 
-        None (one task per chunk) while some chunk is not held yet, or for chunks
+        None (a group per chunk) while some chunk is not held yet, or for chunks
         read from P's source in every task.  Found once per fit: a chunk computed
         again elsewhere after a worker died is fetched by its group's task.
         """

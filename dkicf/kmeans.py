@@ -183,14 +183,14 @@ default="k-means||"
             )
         return _fit(backend, cfg, seeds, progress, ckpt, pos)
     except worker_failure_types() as exc:
-        raise _failure(exc, pos, cfg.algorithm, ckpt, checkpoint) from exc
+        raise _failure(exc, pos, ckpt, checkpoint) from exc
     finally:
         backend.close()
 
 
-def _failure(exc: BaseException, pos: _Position, algorithm: str, ckpt, checkpoint):
+def _failure(exc: BaseException, pos: _Position, ckpt, checkpoint):
     """dkicf's error for a task that killed its workers, the failed fit let go."""
-    err = _worker_failure(exc, pos, algorithm, ckpt, checkpoint)
+    err = _worker_failure(exc, pos, ckpt, checkpoint)
     # The error must not keep the failed fit's futures alive (its traceback
     # keeps its lines, not its frames' variables, nor the best run's labels):
     # their erred tasks, P's chunks among them when they were lost with the

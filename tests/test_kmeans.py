@@ -357,20 +357,26 @@ def test_a_run_sharing_the_passes_equals_the_run_alone(algorithm):
         assert_array_equal(shared.cluster_centers, alone.cluster_centers)
 
 
+def count_lloyd_passes(monkeypatch, backend) -> list[int]:
+    """The runs in each Lloyd pass of ``backend``'s, appended as the passes are made."""
+    passes = []
+    real = backend.lloyd_pass
+
+    def counted(self, centers, n_far):
+        passes.append(len(centers))
+        return real(self, centers, n_far)
+
+    monkeypatch.setattr(backend, "lloyd_pass", counted)
+    return passes
+
+
 def test_the_runs_lloyd_iterations_share_their_passes(monkeypatch):
     """One pass over P per Lloyd iteration of all the runs, not one per run and iteration:
     the passes are the longest run's iterations and at most one pass that measures the
     runs stopped by ``tol``."""
     from dkicf import _kmeans_tasks
 
-    passes = []
-    real = _kmeans_tasks._NumpyBackend.lloyd_pass
-
-    def counted(self, centers, n_far):
-        passes.append(len(centers))
-        return real(self, centers, n_far)
-
-    monkeypatch.setattr(_kmeans_tasks._NumpyBackend, "lloyd_pass", counted)
+    passes = count_lloyd_passes(monkeypatch, _kmeans_tasks._NumpyBackend)
     seen: list[KMeansProgress] = []
     res = kmeans(overlapping(500), 4, algorithm="lloyd", n_init=5, tol=1e-3, random_state=1,
                  progress=seen.append)
@@ -389,14 +395,7 @@ def test_a_lloyd_pass_sends_one_task_per_worker_thread(km_client, monkeypatch):
 
     from dkicf import _kmeans_tasks
 
-    passes = []
-    real = _kmeans_tasks._DaskBackend.lloyd_pass
-
-    def counted(self, centers, n_far):
-        passes.append(len(centers))
-        return real(self, centers, n_far)
-
-    monkeypatch.setattr(_kmeans_tasks._DaskBackend, "lloyd_pass", counted)
+    passes = count_lloyd_passes(monkeypatch, _kmeans_tasks._DaskBackend)
     P = overlapping(800)
     Pd = km_client.persist(da.from_array(P, chunks=(100, -1)))
     kw = {"algorithm": "lloyd", "init": "k-means++", "n_init": 2, "random_state": 0}
