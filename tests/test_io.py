@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -734,6 +735,28 @@ def test_a_late_write_does_not_bring_back_an_abandoned_staging_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="abandoned"):
         late[0:25] = np.arange(25)
     assert list(tmp_path.iterdir()) == []  # not recreated
+
+
+def test_a_write_past_its_check_when_the_folder_goes_does_not_recreate_it(tmp_path,
+                                                                            monkeypatch):
+    # The folder is removed between a write's check of its root and the write itself
+    # (a thread descheduled there while Ctrl-C or SIGTERM cleans up).
+    root = tmp_path / ".out.zarr.staging"
+    root.mkdir()
+    store = io._stores._StagingStore(root)
+    arr = zarr.create_array(store=store, name="X", shape=(4,), chunks=(2,), dtype="f8")
+    monkeypatch.setattr(io._stores._StagingStore, "_check_root", lambda self: None)
+    shutil.rmtree(root)
+    with pytest.raises(FileNotFoundError):
+        arr[0:2] = [1.0, 2.0]
+    assert list(tmp_path.iterdir()) == []  # neither the root nor a chunk folder came back
+    # A write into a folder that is there lands whole, with no partial file beside it.
+    root.mkdir()
+    arr = zarr.create_array(store=io._stores._StagingStore(root), name="X", shape=(4,),
+                            chunks=(2,), dtype="f8")
+    arr[:] = [1.0, 2.0, 3.0, 4.0]
+    np.testing.assert_array_equal(zarr.open_array(root / "X")[:], [1.0, 2.0, 3.0, 4.0])
+    assert not list(root.rglob("*.partial"))
 
 
 def test_info_on_a_checkpoint_says_how_far_the_fit_got(tmp_path, monkeypatch):

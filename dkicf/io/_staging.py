@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from zarr.storage import LocalStore
 
 from ._stores import (
     DkicfIOError,
@@ -19,6 +18,7 @@ from ._stores import (
     _fs,
     _local_path,
     _probe,
+    _StagingStore,
     _store,
     absolute_location,
 )
@@ -166,7 +166,10 @@ def _staged(url: str, *, overwrite: bool, storage_options: dict | None):
         if _local_path(url) is None:
             yield _store(url, storage_options, read_only=False)
         else:
-            yield LocalStore(where)
+            # Writes that outlive an interrupted run (zarr finishes them in its own
+            # thread) must not bring the removed staging folder back.
+            os.mkdir(where)
+            yield _StagingStore(Path(where))
 
 
 def _publish(tmp: Path, dst: Path, url: str, *, overwrite: bool) -> None:
@@ -258,8 +261,21 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
         yield str(tmp)
         _publish(tmp, local, url, overwrite=overwrite)
     finally:
+        _remove_staging(tmp)
+
+
+def _remove_staging(tmp: Path, *, patience: float = 30.0) -> None:
+    """Remove a staging folder, waiting out writes that were under way.
+
+    A write task still running (a failure or Ctrl-C does not stop it) may add
+    files while the folder is being removed, so removal is repeated until the
+    folder itself is gone.  From then on it stays gone: staged writes never
+    re-create their root (:class:`~dkicf.io._stores._StagingStore`).
+    """
+    deadline = time.monotonic() + patience
+    while True:
         shutil.rmtree(tmp, ignore_errors=True)
-        if os.path.lexists(tmp):  # a write that was under way: it cannot start another
-            time.sleep(0.5)
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.lexists(tmp) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 

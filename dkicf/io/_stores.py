@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,7 +176,51 @@ class _StagingStore(LocalStore):
 
     async def _set(self, key: str, value, exclusive: bool = False) -> None:
         self._check_root()
-        await super()._set(key, value, exclusive=exclusive)
+        if not self._is_open:
+            await self._open()
+        self._check_writable()
+        await asyncio.to_thread(_put_below, self.root, key, value.as_buffer_like(), exclusive)
+
+    async def delete_dir(self, prefix: str) -> None:
+        if prefix.strip("/"):
+            await super().delete_dir(prefix)
+            return
+        # A new group (mode "w") empties the whole store: the root itself stays.
+        self._check_root()
+        self._check_writable()
+        for child in self.root.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+
+def _put_below(root: Path, key: str, data, exclusive: bool) -> None:
+    """Write ``data`` to ``root/key`` without ever creating ``root`` itself.
+
+    The folders between ``root`` and the file are made one at a time, so a
+    ``root`` removed at any moment (even between the check and the write)
+    makes the write fail instead of bringing the folder back.
+    """
+    path = root / key
+    folder = root
+    for part in Path(key).parts[:-1]:
+        folder = folder / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder)  # FileNotFoundError once root is gone
+    partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with open(partial, "xb") as out:
+            out.write(data)
+        if exclusive:
+            os.link(partial, path)  # FileExistsError if the key is there already
+            os.unlink(partial)
+        else:
+            os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
 
 
 class _CheckedFsspecStore(_CheckedReads, FsspecStore):
