@@ -411,6 +411,11 @@ def _rows_per_task(backend: FactorBackend, n: int) -> int:
     return int(min(n, rows))
 
 
+_NO_CANDIDATES = _pivoting.CandidateRequest()
+_NO_SUMS = np.empty(0)
+_NO_SUMS.flags.writeable = False
+
+
 def _block_loop(
     backend: FactorBackend, kernel, n, d, capacity, tol, rank_tol, progress, rule, storage=None,
 ) -> ICFResult:
@@ -461,8 +466,8 @@ def _block_loop(
         i = history.rank
         done = _stop_reason(i, capacity, trace, tol, summary, rank_tol) is not None
         single = not done and (rule.single_pass(blocks, n, i) if ahead is None else ahead)
-        request = _pivoting.CandidateRequest() if done or single else rule.request(i, rank_tol)
-        colsq, cand = np.empty(0), None
+        request = _NO_CANDIDATES if done or single else rule.request(i, rank_tol)
+        colsq, cand = _NO_SUMS, None
         if hi > lo or request.count:
             colsq, cand = _pivoting.gather_candidates(backend, lo, hi, request)
         if hi > lo:
@@ -500,17 +505,19 @@ def _block_loop(
                                U=cand.U[order], L=choice.L, rank=i)
         history.append(block)
         # The update tasks also return what the next gather asks for (the new
-        # columns' sums after a block, the candidates unless a lone pivot comes
-        # next), saving a round trip on dask.
-        nxt = (i + 1, i + 1) if single else (i, i + b)
-        ahead = rule.single_pass(blocks, n, i + 1) if single else None
-        if ahead:
+        # columns' sums after a block of several, the candidates unless a lone
+        # pivot comes next), saving a round trip on dask.  After one pivot the
+        # pass's own trace is the trace error: no column sums to ask for.
+        ahead = rule.single_pass(blocks, n, i + b)
+        if ahead and b == 1:
             summary = backend.apply(block, history, 1, stash=0, prefetch=None)
         else:
-            summary = backend.apply(block, history, 1, stash=rule.stash(i + b),
-                                    prefetch=(*nxt, rule.request(i + b, rank_tol)))
+            nxt = (i + 1, i + 1) if b == 1 else (i, i + b)
+            nxt_request = _NO_CANDIDATES if ahead else rule.request(i + b, rank_tol)
+            summary = backend.apply(block, history, 1, stash=0 if ahead else rule.stash(i + b),
+                                    prefetch=(*nxt, nxt_request))
         trace = summary["trace"]
-        if single:
+        if b == 1:
             trace_errors.append(trace)
             r, lo, hi = i + 1, i + 1, i + 1
             _report(progress, r, capacity, trace, initial_trace, start, summary)

@@ -458,7 +458,9 @@ def greedy_block(
         Trace error at the start of the block and the factorization's ``tol``.
     panel : int, optional
         Expected number of pivots (the last block's): the size of the first
-        panel of Schur-complement columns formed.
+        panel of Schur-complement columns formed.  None or 1: the first
+        pivot's column alone is formed first, and a block that ends there
+        is returned without the panels.
     pool : concurrent.futures.Executor, optional
         Idle threads (``n_threads`` of them) that share the work of large panels.
 
@@ -466,6 +468,10 @@ def greedy_block(
     -------
     BlockChoice
     """
+    if panel is None or panel <= 1:  # after a block of one, likely one again
+        lone = _lone_pivot(kernel, cand, b_max, rank_tol, margin, delta, trace, tol)
+        if lone is not None:
+            return lone
     chol = _SmallCholesky(kernel, cand, b_max, panel, pool, n_threads)
     chol.take(chol.best()[0], chol.by_residual)
     reason = "cap"
@@ -494,6 +500,53 @@ def greedy_block(
                 break
         chol.take(c, chol.by_residual)
     return chol.choice(reason)
+
+
+def _lone_pivot(kernel, cand, b_max, rank_tol, margin, delta, trace, tol):
+    """The block of :func:`greedy_block` if it ends at its first pivot, else None.
+
+    The tests of the block's second pivot, on the candidates' residuals
+    updated by the first pivot's column alone: where blocks stay at one
+    pivot (a kernel near the identity) this is all a block costs, without
+    the panels of the small Cholesky.
+    """
+    values = cand.values.astype(np.float64)
+    m = values.shape[0]
+    if m == 0:
+        return None
+    top = values.max()
+    ties = np.flatnonzero(values == top)
+    c = int(ties[np.argmin(cand.index[ties])])
+    nu = math.sqrt(values[c])
+    lone = BlockChoice(np.array([c], dtype=np.int64), np.array([[nu]]), "cap")
+    if b_max <= 1:
+        return lone
+    aux = None if cand.aux is None else cand.aux[c:c + 1]
+    col = kernel.block(cand.rows, cand.rows[c:c + 1], cand.aux, aux)[:, 0]
+    if cand.U.shape[1]:
+        col -= cand.U @ cand.U[c]
+    col /= nu
+    d = values - col * col
+    np.maximum(d, 0.0, out=d)
+    d[c] = 0.0
+    if trace - (float(values.sum()) - float(d.sum())) <= tol:
+        lone.reason = "tol"
+        return lone
+    if m == 1:
+        lone.reason = "exhausted"
+        return lone
+    d[c] = -np.inf
+    v = float(d.max())
+    if not v > rank_tol + margin:
+        lone.reason = "rank"
+    elif delta:
+        if v < (1.0 - delta) * cand.bound:
+            lone.reason = "bound"
+    elif not v > cand.bound + margin:
+        lone.reason = "bound"
+    elif np.any(d[d >= v - margin] != v):
+        lone.reason = "ambiguous"
+    return None if lone.reason == "cap" else lone
 
 
 def rpcholesky_block(
@@ -639,10 +692,17 @@ class BlockSizer:
         self.m = max(1, min(self.m, self.m_max(rank)))
 
 
-# Rows that the driver's work on a block's candidates costs as much as, besides
-# the candidates themselves (measured on the numpy backend: about 2 ms per
-# block against 0.2 ms for a pass over 1,800 rows of 64 features).
+# Rows that the driver's work on a block's candidates costs about as much as, set
+# when that work took about 2 ms against 0.2 ms for a pass over 1,800 rows of 64
+# features (numpy backend).  Single passes are considered only where n is below
+# m + _DRIVER_ROWS; a run of them doubles up to _RUN_CAP times (m + _DRIVER_ROWS) / n.
 _DRIVER_ROWS = 32768
+_RUN_CAP = 16
+
+
+def _run_cap(n: int, m: int) -> int:
+    """The longest run of single passes at ``n`` rows and ``m`` candidates (0: none)."""
+    return _RUN_CAP * ((m + _DRIVER_ROWS) // max(n, 1))
 
 
 def _single_pass(blocks: list, n: int, m: int) -> bool:
@@ -650,34 +710,43 @@ def _single_pass(blocks: list, n: int, m: int) -> bool:
 
     Blocks stay at one pivot where the kernel matrix is near the identity
     (no candidate is provably next): the candidates then cost more than
-    they save while a pass is cheaper than the driver's work on them, about
-    ``(m + _DRIVER_ROWS) / n`` passes.  After ``k`` blocks in a row ended at
-    one pivot (by the bound or a near tie), the next ``2**(k-1)`` passes, at
-    most that ratio, take one pivot each the greedy way; then a block is
-    tried again.  The pivots are those of the sequential rule either way;
-    the choice depends only on the blocks so far, so a resumed fit and
-    every backend make the same one.
+    they save while a pass is cheap next to the driver's work on them.
+    After ``k`` blocks in a row ended at one pivot (by the bound or a near
+    tie), the next ``2**(k-1)`` passes, at most :func:`_run_cap`, take one
+    pivot each the greedy way; then a block is tried again.  So the tried
+    blocks number about ``log2`` of the passes, and a run of single passes
+    is never longer than the passes before it.  The pivots are those of the
+    sequential rule either way; the choice depends only on the blocks so
+    far, so a resumed fit and every backend make the same one.
     """
-    limit = (m + _DRIVER_ROWS) // max(n, 1)
-    if limit < 1 or not blocks:
+    cap = _run_cap(n, m)
+    if cap < 1 or not blocks:
         return False
-    since = 0
+    since, start = _singles_run(blocks)
+    streak = _streak(blocks, start)
+    return streak > 0 and since < min(2 ** (streak - 1), cap)
+
+
+def _singles_run(blocks: list) -> tuple[int, int]:
+    """How many single passes end ``blocks``, and the index of the block before them."""
     k = len(blocks) - 1
     while k >= 0 and blocks[k][2] == "single":
-        since, k = since + 1, k - 1
+        k -= 1
+    return len(blocks) - 1 - k, k
+
+
+def _streak(blocks: list, k: int, longest: int = 64) -> int:
+    """Tried blocks of one pivot (by the bound or a near tie) in a row up to ``blocks[k]``,
+    single passes between them skipped; counted up to ``longest``."""
     streak = 0
-    while k >= 0:
+    while k >= 0 and streak < longest:
         _, b, why = blocks[k]
         if why != "single":
             if b != 1 or why not in ("bound", "ambiguous"):
                 break
             streak += 1
-            if 2 ** (streak - 1) > since:
-                # A longer streak changes nothing: stop here, not at the first block
-                # (the whole history, on every pass of a near-identity kernel).
-                break
         k -= 1
-    return streak > 0 and since < min(2 ** (streak - 1), limit)
+    return streak
 
 
 def ordered_block(kernel: Kernel, cand: Candidates, reason: str = "cap") -> BlockChoice:
@@ -842,6 +911,8 @@ class BlockGreedy(PivotRule):
                    "provably come next")
     uses_block_delta = True
     sizing = "top"
+    #: (blocks, their number, single passes ending them, the streak before those)
+    _memo: tuple | None = None
 
     def request(self, rank, rank_tol):
         return CandidateRequest("top", self.sizer.count(rank))
@@ -859,7 +930,24 @@ class BlockGreedy(PivotRule):
         return self.sizer.count(rank)
 
     def single_pass(self, blocks, n, rank):
-        return not self.block_delta and _single_pass(blocks, n, self.sizer.count(rank))
+        if self.block_delta or not blocks:
+            return False
+        cap = _run_cap(n, self.sizer.count(rank))
+        if cap < 1:
+            return False
+        # As _single_pass, kept up to date pass by pass: the streak before a run of
+        # single passes does not change while the run grows.
+        memo = self._memo
+        if memo is not None and memo[0] is blocks and memo[1] == len(blocks):
+            since, streak = memo[2], memo[3]
+        elif (memo is not None and memo[0] is blocks and memo[1] == len(blocks) - 1
+                and blocks[-1][2] == "single"):
+            since, streak = memo[2] + 1, memo[3]
+        else:
+            since, start = _singles_run(blocks)
+            streak = _streak(blocks, start)
+        self._memo = (blocks, len(blocks), since, streak)
+        return streak > 0 and since < min(2 ** (streak - 1), cap)
 
 
 @register_rule

@@ -307,7 +307,14 @@ def test_large_candidate_requests_are_mapped_not_sent_as_events(
     res = incomplete_cholesky(da.from_array(X, chunks=(1000, 4)), client=client, **kw)
     np.testing.assert_array_equal(res.pivots, ref.pivots)
     stats = [m for m in maps if m.startswith("chunk_block_stats")]
-    assert len(stats) == len(res.info["block_sizes"]) + 1  # one per pass, and the last
+    # One map before each pass that needs candidates or the column sums of the block
+    # before it (a block of several pivots; after one pivot the pass's trace is the
+    # trace error), and one for the last block's sums.
+    blocks = res.info["blocks"]
+    wanted = sum(why != "single" or (j and blocks[j - 1][1] > 1)
+                 for j, (_, _, why) in enumerate(blocks)) + (blocks[-1][1] > 1)
+    assert blocks[0][1] == 1 and blocks[1][2] == "single"  # a pass that needs no map
+    assert len(stats) == wanted
 
 
 @pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])
@@ -468,10 +475,10 @@ def test_blocks_that_stay_at_one_pivot_fall_back_to_greedy_passes(rng, monkeypat
 
 
 def test_single_passes_follow_the_blocks_and_the_cost_of_a_pass():
-    from dkicf.pivoting import _DRIVER_ROWS, _single_pass
+    from dkicf.pivoting import _DRIVER_ROWS, _RUN_CAP, _single_pass
 
     one, big, single = (64, 1, "bound"), (64, 9, "bound"), (0, 1, "single")
-    small_n = 2000  # a pass costs less than the candidates: at most 16 single passes
+    small_n = 2000  # a pass costs less than the candidates: runs of up to 16 * 16 passes
     assert not _single_pass([], small_n, 64)
     assert not _single_pass([big], small_n, 64)
     assert _single_pass([one], small_n, 64)  # one block of one: one single pass
@@ -480,11 +487,81 @@ def test_single_passes_follow_the_blocks_and_the_cost_of_a_pass():
     assert not _single_pass([one, single, one, single, single], small_n, 64)
     assert not _single_pass([one, single, big], small_n, 64)  # a block grew: blocks
     assert not _single_pass([(64, 1, "cap")], small_n, 64)  # capped by the caller
-    # After many blocks of one, the run of single passes is capped by the cost ratio.
-    history = [one] * 10 + [single] * ((64 + _DRIVER_ROWS) // small_n)
-    assert not _single_pass(history, small_n, 64)
+    # Runs double, up to a cap set by the cost ratio.
+    history = [one, single, one, single, single, one, single, single, single]
+    assert _single_pass(history, small_n, 64)  # three blocks of one: four single passes
+    cap = _RUN_CAP * ((64 + _DRIVER_ROWS) // small_n)
+    assert cap == 256
+    history = [one] * 10 + [single] * (cap - 1)
+    assert _single_pass(history, small_n, 64)
+    assert not _single_pass(history + [single], small_n, 64)
     # Large n: a pass costs more than the candidates' work, never a single pass.
     assert not _single_pass([one] * 10, 10**6, 4096)
+
+
+def test_the_rule_s_single_pass_answer_kept_pass_by_pass_equals_the_whole_history_s(rng):
+    from dkicf.pivoting import BlockGreedy, _single_pass
+
+    kinds = [(64, 1, "bound"), (64, 1, "ambiguous"), (64, 1, "cap"), (64, 5, "bound"),
+             (0, 1, "single")]
+    for trial in range(20):
+        rule = BlockGreedy(capacity=10**6, n=2000, d=4)
+        rule.size_blocks(2000)
+        blocks = []
+        for step in range(300):
+            if trial % 2 and step % 37 == 0:
+                blocks = list(blocks)  # a resumed fit: the same history, a new list
+            want = _single_pass(blocks, 2000, rule.sizer.count(len(blocks)))
+            assert rule.single_pass(blocks, 2000, len(blocks)) == want
+            assert rule.single_pass(blocks, 2000, len(blocks)) == want  # asked twice
+            if want or rng.random() < 0.2:
+                blocks.append(kinds[-1])
+            else:
+                blocks.append(kinds[rng.choice(4, p=[0.6, 0.2, 0.05, 0.15])])
+
+
+def test_a_block_that_ends_at_its_first_pivot_is_found_without_the_small_cholesky(
+    rng, monkeypatch
+):
+    """The first-pivot test of greedy_block gives the block of the full construction."""
+    from dkicf import pivoting
+    from dkicf.kernels import GaussianKernel
+
+    kernel = GaussianKernel(gamma=0.5)
+    lone, small = pivoting._lone_pivot, pivoting._SmallCholesky
+    seen = {"full": 0}
+    for trial in range(240):
+        scale = (0.3, 1.0, 20.0)[trial % 3]
+        m, rank = int(rng.integers(1, 40)), int(rng.integers(0, 6))
+        rows = rng.normal(size=(m, 3)) * scale
+        U = rng.normal(size=(m, rank)) * 0.1
+        if trial % 4 == 0:
+            U[:3] = U[0]  # tied residuals
+        elif trial % 4 == 1:
+            U[1:4] = U[0] + rng.normal(size=U[1:4].shape) * 1e-6  # near ties
+        values = 1.0 - (U**2).sum(axis=1)  # the Gaussian kernel's residual diagonal
+        order = np.lexsort((np.arange(m), -values))
+        rows, U, values = rows[order], U[order], values[order]
+        bound = values[-1] * float(rng.choice([0.0, 0.5, 0.99]))
+        cand = pivoting.Candidates(np.arange(m) * 3, values, rows, None, U, bound=bound)
+        kw = dict(b_max=int(rng.choice([1, 2, 8])), rank_tol=float(rng.choice([1e-12, 0.6])),
+                  margin=float(rng.choice([1e-12, 1e-3])), trace=float(rng.uniform(1, 50)),
+                  tol=float(rng.choice([0.0, 10.0])), delta=float(rng.choice([0.0, 0.0, 0.3])))
+        built = []
+        monkeypatch.setattr(pivoting, "_SmallCholesky",
+                            lambda *a, **k: built.append(1) or small(*a, **k))
+        fast = pivoting.greedy_block(kernel, cand, **kw)
+        monkeypatch.setattr(pivoting, "_lone_pivot", lambda *a: None)
+        slow = pivoting.greedy_block(kernel, cand, **kw)
+        monkeypatch.setattr(pivoting, "_lone_pivot", lone)
+        assert len(built) == 1 + (slow.order.shape[0] > 1)  # the fast one only for a block
+        np.testing.assert_array_equal(fast.order, slow.order)
+        assert fast.reason == slow.reason
+        np.testing.assert_allclose(fast.L, slow.L, rtol=1e-14, atol=0)
+        key = slow.reason if slow.order.shape[0] == 1 else "full"
+        seen[key] = seen.get(key, 0) + 1
+    # Every way a block ends at one pivot was tried, and blocks of several.
+    assert set(seen) == {"full", "cap", "tol", "exhausted", "rank", "bound", "ambiguous"}, seen
 
 
 def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names):
