@@ -529,6 +529,9 @@ def test_a_block_that_ends_at_its_first_pivot_is_found_without_the_small_cholesk
 
     kernel = GaussianKernel(gamma=0.5)
     lone, small = pivoting._lone_pivot, pivoting._SmallCholesky
+    built = []
+    monkeypatch.setattr(pivoting, "_SmallCholesky",
+                        lambda *a, **k: built.append(1) or small(*a, **k))
     seen = {"full": 0}
     for trial in range(240):
         scale = (0.3, 1.0, 20.0)[trial % 3]
@@ -547,9 +550,7 @@ def test_a_block_that_ends_at_its_first_pivot_is_found_without_the_small_cholesk
         kw = dict(b_max=int(rng.choice([1, 2, 8])), rank_tol=float(rng.choice([1e-12, 0.6])),
                   margin=float(rng.choice([1e-12, 1e-3])), trace=float(rng.uniform(1, 50)),
                   tol=float(rng.choice([0.0, 10.0])), delta=float(rng.choice([0.0, 0.0, 0.3])))
-        built = []
-        monkeypatch.setattr(pivoting, "_SmallCholesky",
-                            lambda *a, **k: built.append(1) or small(*a, **k))
+        built.clear()
         fast = pivoting.greedy_block(kernel, cand, **kw)
         monkeypatch.setattr(pivoting, "_lone_pivot", lambda *a: None)
         slow = pivoting.greedy_block(kernel, cand, **kw)
