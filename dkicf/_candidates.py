@@ -10,6 +10,7 @@ driver side of the rules is in :mod:`dkicf.pivoting`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,7 +100,7 @@ def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: Candidat
     elif request.rule == "top":
         want = request.count + 1
         take = min(want, request.limit) if request.limit else want
-        local = _top_rows(e, take)
+        local = top_rows_of(state, take)
         out["key"], out["index"] = e[local].copy(), local + offset
         out["cut"] = take < want and e.shape[0] > take
     else:
@@ -107,6 +108,27 @@ def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: Candidat
             e, offset, request.count, request.key, request.draw, request.floor
         )
     return out
+
+
+def top_rows_of(state, m: int) -> np.ndarray:
+    """:func:`_top_rows` of ``state.e``, kept on the state for the next ask of the same ``m``.
+
+    A pass's update selects its chunk's largest residuals for the candidate
+    statistics, and the rows sent with the pass are the same selection: an
+    ``O(rows)`` partition made once.  A state that cannot keep it (rows of
+    a state, :class:`~dkicf._chunk.RowRange`) computes it each time.
+    """
+    e = state.e
+    # The numpy backend updates its one state in place: the pass count tells
+    # a selection of this pass's residuals from one of an earlier pass's.
+    when = (m, getattr(state, "rank", None), getattr(state, "n_passes", None))
+    memo = getattr(state, "top", None)
+    if memo is not None and memo[0] == when and memo[1] is e:
+        return memo[2]
+    local = _top_rows(e, m)
+    with contextlib.suppress(AttributeError):
+        state.top = (when, e, local)
+    return local
 
 
 def _top_rows(e: np.ndarray, m: int) -> np.ndarray:

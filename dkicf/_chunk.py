@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.linalg.blas import dtrsm as _dtrsm
 
-from ._candidates import _top_rows, chunk_block_stats, rows_reaching_top
+from ._candidates import chunk_block_stats, rows_reaching_top, top_rows_of
 from ._factor import History, PivotBlock
 from ._memory import _STREAM_BYTES
 from ._services import LazyChunk, materialize, report_summary, scratch, threadpool_limits
@@ -145,7 +145,7 @@ class ChunkState:
 
     __slots__ = (
         "P", "e", "aux", "rank", "offset", "n_passes", "pivots", "flushed", "store", "cache",
-        "spare", "segments", "stash", "max_sqnorm",
+        "spare", "segments", "stash", "max_sqnorm", "top",
     )
 
     def __init__(
@@ -179,6 +179,10 @@ class ChunkState:
         # Largest squared row norm of the chunk, known at rank 0 when the
         # kernel's auxiliary values are the squared norms (a pass saved).
         self.max_sqnorm = None
+        # (count, residual vector, local rows) of the last selection of the
+        # largest residuals (see _candidates.top_rows_of): the update's
+        # candidate statistics and the rows sent with the pass make it once.
+        self.top = None
 
     @property
     def n_rows(self) -> int:
@@ -523,7 +527,7 @@ def chunk_top_rows(x: np.ndarray, state: ChunkState, count: int):
     The rows that :func:`~dkicf.pivoting.chunk_block_stats` sends for a
     request limited to ``count`` (the same ties to the lowest index).
     """
-    local = _top_rows(state.e, count) if state.e.shape[0] else np.empty(0, dtype=np.int64)
+    local = top_rows_of(state, count) if state.e.shape[0] else np.empty(0, dtype=np.int64)
     return (local + state.offset, *chunk_rows(x, state, local))
 
 

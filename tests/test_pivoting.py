@@ -591,3 +591,27 @@ def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names):
     assert len(tried) <= map_names.count("top-rows") <= map_names.count("update")
     # The first block's candidate rows come from tasks, every later block's from a pass.
     assert served == [True] * (len(tried) - 1)
+
+
+def test_a_state_selects_its_largest_residuals_once_per_pass(rng, monkeypatch):
+    """The update's candidate statistics and the rows sent with the pass share one
+    selection; a state updated in place (the numpy backend's) selects again."""
+    from dkicf import _candidates, _chunk
+
+    e = rng.random(5000)
+    state = _chunk.ChunkState(np.zeros((5000, 4)), e, None, rank=2, offset=100, n_passes=2)
+    calls = []
+    real = _candidates._top_rows
+    monkeypatch.setattr(_candidates, "_top_rows", lambda e, m: calls.append(m) or real(e, m))
+    stats = _candidates.chunk_block_stats(None, state, 100, 2, 2,
+                                          _candidates.CandidateRequest("top", 40))
+    x = rng.normal(size=(5000, 3))
+    index, *_ = _chunk.chunk_top_rows(x, state, 41)
+    assert calls == [41]  # one selection for both
+    np.testing.assert_array_equal(index, stats["index"])
+    np.testing.assert_array_equal(index - 100, np.argsort(-e, kind="stable")[:41])
+    e[:] = rng.random(5000)  # the next pass, in place
+    state.n_passes += 1
+    index, *_ = _chunk.chunk_top_rows(x, state, 41)
+    assert calls == [41, 41]
+    np.testing.assert_array_equal(index - 100, np.argsort(-e, kind="stable")[:41])
