@@ -138,8 +138,29 @@ def _top_rows(e: np.ndarray, m: int) -> np.ndarray:
     the rows kept at a tie are the lowest-indexed ones, as the sequential
     rule's ``argmax`` would take them.
     """
-    sel = rows_reaching_top(e, m)
-    return sel[np.lexsort((sel, -e[sel]))][:m]
+    n = e.shape[0]
+    if m >= n:
+        return np.lexsort((np.arange(n), -e))
+    threshold = _mth_largest(e, m)
+    # Those above the m-th value, sorted; then the lowest-indexed rows tied
+    # with it (many, while the residuals are still flat): no sort of the tie.
+    above = np.flatnonzero(e > threshold)
+    above = above[np.lexsort((above, -e[above]))]
+    tied = np.flatnonzero(e == threshold)[: m - above.shape[0]]
+    return np.concatenate([above, tied])
+
+
+def _mth_largest(e: np.ndarray, m: int) -> float:
+    """The ``m``-th largest entry of ``e`` (``1 <= m <= len(e)``).
+
+    Where at least ``m`` entries share the largest value (the first passes
+    of a kernel whose diagonal is constant), that value is found in two
+    scans: a partition is slow on many equal values.
+    """
+    top = e.max()
+    if m == 1 or np.count_nonzero(e == top) >= m:
+        return top
+    return e[np.argpartition(-e, m - 1)[m - 1]]
 
 
 def _uniform01(raw: np.ndarray) -> np.ndarray:
@@ -230,8 +251,7 @@ def rows_reaching_top(e: np.ndarray, m: int) -> np.ndarray:
     n = e.shape[0]
     if m >= n:
         return np.arange(n)
-    threshold = e[np.argpartition(-e, m - 1)[m - 1]]
-    return np.flatnonzero(e >= threshold)
+    return np.flatnonzero(e >= _mth_largest(e, m))
 
 
 def accept_uniforms(key, draw: int, count: int) -> np.ndarray:

@@ -615,3 +615,24 @@ def test_a_state_selects_its_largest_residuals_once_per_pass(rng, monkeypatch):
     index, *_ = _chunk.chunk_top_rows(x, state, 41)
     assert calls == [41, 41]
     np.testing.assert_array_equal(index - 100, np.argsort(-e, kind="stable")[:41])
+
+
+def test_the_largest_residuals_are_those_of_a_full_sort_also_with_many_ties(rng):
+    """Ties to the lowest index, as the sequential argmax; residuals still flat (many rows
+    at the largest value, the first passes of a Gaussian kernel) take the fast way."""
+    from dkicf._candidates import _top_rows, rows_reaching_top
+
+    for trial in range(2000):
+        n, m = int(rng.integers(1, 80)), int(rng.integers(1, 90))
+        if trial % 3 == 0:
+            e = np.ones(n)
+            e[rng.random(n) < 0.3] = 0.5
+        elif trial % 3 == 1:
+            e = rng.choice([0.0, 0.25, 0.5, 1.0], size=n)
+        else:
+            e = rng.random(n)
+        full = np.lexsort((np.arange(n), -e))  # decreasing, ties to the lowest index
+        np.testing.assert_array_equal(_top_rows(e, m), full[:m])
+        cut = e[full[min(m, n) - 1]]
+        np.testing.assert_array_equal(rows_reaching_top(e, m),
+                                      np.arange(n) if m >= n else np.flatnonzero(e >= cut))
