@@ -504,18 +504,8 @@ def _block_loop(
                                aux=None if cand.aux is None else cand.aux[order],
                                U=cand.U[order], L=choice.L, rank=i)
         history.append(block)
-        # The update tasks also return what the next gather asks for (the new
-        # columns' sums after a block of several, the candidates unless a lone
-        # pivot comes next), saving a round trip on dask.  After one pivot the
-        # pass's own trace is the trace error: no column sums to ask for.
         ahead = rule.single_pass(blocks, n, i + b)
-        if ahead and b == 1:
-            summary = backend.apply(block, history, 1, stash=0, prefetch=None)
-        else:
-            nxt = (i + 1, i + 1) if b == 1 else (i, i + b)
-            nxt_request = _NO_CANDIDATES if ahead else rule.request(i + b, rank_tol)
-            summary = backend.apply(block, history, 1, stash=0 if ahead else rule.stash(i + b),
-                                    prefetch=(*nxt, nxt_request))
+        summary = _apply_block(backend, rule, block, history, ahead, rank_tol)
         trace = summary["trace"]
         if b == 1:
             trace_errors.append(trace)
@@ -537,6 +527,22 @@ def _block_loop(
             "block_sizes": [b for _, b, _ in blocks], "blocks": blocks}
     return _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop,
                    summary, start, info)
+
+
+def _apply_block(backend, rule, block, history, single_next: bool, rank_tol) -> dict:
+    """The pass of ``block``; its update tasks also return what the next gather asks for.
+
+    That is the new columns' sums after a block of several pivots and the
+    candidates unless a lone pivot comes next, saving a round trip on dask.
+    After one pivot the pass's own trace is the trace error: no column sums.
+    """
+    i, b = block.rank, block.index.shape[0]
+    if single_next and b == 1:
+        return backend.apply(block, history, 1, stash=0, prefetch=None)
+    nxt = (i + 1, i + 1) if b == 1 else (i, i + b)
+    request = _NO_CANDIDATES if single_next else rule.request(i + b, rank_tol)
+    return backend.apply(block, history, 1, stash=0 if single_next else rule.stash(i + b),
+                         prefetch=(*nxt, request))
 
 
 def _report(progress, rank, capacity, trace, initial_trace, start, summary) -> None:
