@@ -348,6 +348,7 @@ class DaskBackend:
             self._home = [holders[a] for a, _ in groups]
         else:
             self._home = None
+        self._held = held_chunks is not None
         if len(sizes) < len(self.input_chunks):
             X = X.rechunk({0: sizes})
         self.chunks = tuple(int(c) for c in X.chunks[0])
@@ -420,9 +421,19 @@ class DaskBackend:
             self.states = self._restore_tasks(*restore, previous=None)
 
     def _where(self, j: int) -> dict:
-        """Worker restriction (a preference) for chunk ``j``'s first task."""
+        """Worker restriction for chunk ``j``'s first tasks.
+
+        Where X is held on the workers the restriction is strict: a loose one
+        lets the scheduler's work stealing run the copy of X or the set-up
+        elsewhere, moving the chunk.  Elsewhere it is a preference.  Either is
+        dropped once the task has run (:meth:`_settle`), and a task whose
+        worker died meanwhile is sent to the running ones
+        (:func:`~dkicf._services._stall_report`).
+        """
         home = self._home[j] if self._home else None
-        return {"workers": [home], "allow_other_workers": True} if home else {}
+        if not home:
+            return {}
+        return {"workers": [home], "allow_other_workers": not self._held}
 
     def _x(self, j):
         if self.persist:

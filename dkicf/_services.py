@@ -268,12 +268,14 @@ def _workers_kept_dying(message: str) -> Exception:
 
 
 def _drop_preferences(keys: list, dask_scheduler=None) -> int:
-    """On the scheduler: forget the preferred workers of these tasks (those that exist)."""
+    """On the scheduler: forget the worker restrictions (preferred or strict) of these
+    tasks (those that exist)."""
     dropped = 0
     for key in keys:
         ts = dask_scheduler.tasks.get(key)
-        if ts is not None and ts.loose_restrictions and ts.worker_restrictions:
+        if ts is not None and ts.worker_restrictions:
             ts.worker_restrictions = None
+            ts.loose_restrictions = False
             dropped += 1
     return dropped
 
@@ -301,9 +303,13 @@ def _stall_report(token: str, dask_scheduler=None) -> dict:
     mine = [ts for ts in list(s.unrunnable) if token in str(ts.key)]
     moved = 0
     if s.running:
-        stuck = [ts for ts in mine if ts.loose_restrictions]
+        # Preferences, and restrictions to workers that are all gone (set where X
+        # was held: the replacements hold nothing, and have new addresses).
+        stuck = [ts for ts in mine if ts.loose_restrictions or (
+            ts.worker_restrictions and not ts.worker_restrictions & set(s.workers))]
         for ts in stuck:
             ts.worker_restrictions = None
+            ts.loose_restrictions = False
         if stuck:
             s.transitions({ts.key: "processing" for ts in stuck},
                           stimulus_id=f"dkicf-unstrand-{time.time()}")

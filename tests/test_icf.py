@@ -484,6 +484,32 @@ def test_persisted_X_and_P_never_move_between_workers(client, rng, pivoting):
     np.testing.assert_array_equal(res.pivots, ref.pivots)
 
 
+@pytest.mark.parametrize("held", [True, False])
+def test_set_up_tasks_are_pinned_where_x_is_held(client, rng, monkeypatch, held):
+    """Where X is held on the workers the set-up tasks may run only there (work stealing
+    would move the chunk); otherwise their worker is a preference."""
+    from distributed import wait
+
+    X = rng.normal(size=(2000, 3))
+    Xd = da.from_array(X, chunks=500)
+    if held:
+        Xd = client.persist(Xd)
+        wait(Xd)
+    asked = {}
+    real = client.submit
+
+    def spy(*args, **kwargs):
+        asked[kwargs.get("key", "")] = kwargs.get("allow_other_workers")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client, "submit", spy)
+    res = _incomplete_cholesky(Xd, gamma=0.5, max_rank=20, tol=0, client=client)
+    set_up = {k: v for k, v in asked.items() if "icf-init-" in k or "icf-x-" in k}
+    assert set_up and set(set_up.values()) == ({False} if held else {True})
+    np.testing.assert_array_equal(
+        res.pivots, _incomplete_cholesky(X, gamma=0.5, max_rank=20, tol=0).pivots)
+
+
 def test_work_chunks_group_only_neighbours_held_together():
     from dkicf._backends import work_chunks
 

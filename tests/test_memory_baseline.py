@@ -260,9 +260,11 @@ def test_every_worker_killed_at_once_mid_fit_changes_nothing(own_cluster):
 
 
 @pytest.mark.timeout(120)
-def test_a_task_stranded_on_a_dead_preferred_worker_is_sent_elsewhere(own_cluster):
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_task_stranded_on_a_dead_preferred_worker_is_sent_elsewhere(own_cluster, strict):
     """The scheduler leaves a task that prefers a dead worker in ``no-worker`` once new
-    workers have joined; the stall report sends the fit's ones to the running workers."""
+    workers have joined; the stall report sends the fit's ones to the running workers.
+    So too a task restricted to it (the set-up where X is held there)."""
     client = own_cluster
     cluster = client.cluster
     gone = "tcp://127.0.0.1:1"  # a worker that is not there
@@ -271,7 +273,7 @@ def test_a_task_stranded_on_a_dead_preferred_worker_is_sent_elsewhere(own_cluste
         time.sleep(0.1)
     token = "strandtest0000"
     fut = client.submit(int, 7, key=f"icf-init-{token}-0", workers=[gone],
-                        allow_other_workers=True)
+                        allow_other_workers=not strict)
     cluster.scale(2)
     client.wait_for_workers(2)
     time.sleep(1.0)
