@@ -179,9 +179,9 @@ class ChunkState:
         # Largest squared row norm of the chunk, known at rank 0 when the
         # kernel's auxiliary values are the squared norms (a pass saved).
         self.max_sqnorm = None
-        # (count, residual vector, local rows) of the last selection of the
-        # largest residuals (see _candidates.top_rows_of): the update's
-        # candidate statistics and the rows sent with the pass make it once.
+        # ((count, rank, passes), residual vector, local rows) of the last
+        # selection of the largest residuals (see _candidates.top_rows_of): the
+        # update's candidate statistics and the rows sent with the pass make it once.
         self.top = None
 
     @property
