@@ -377,10 +377,7 @@ class _SmallCholesky:
 
     def best(self) -> tuple[int, float]:
         """The free candidate of largest updated residual, ties to the lowest row index."""
-        vals = np.where(self.free, self.d, -np.inf)
-        v = vals.max()
-        ties = np.flatnonzero(vals == v)
-        return int(ties[np.argmin(self.cand.index[ties])]), float(v)
+        return _best(self.d, self.free, self.cand.index)
 
     def trace_upper_bound(self, trace: float) -> float:
         """``tr(K - P P^T)`` after the pivots so far is at most this.
@@ -483,23 +480,35 @@ def greedy_block(
             reason = "exhausted"
             break
         c, v = chol.best()
-        if not v > rank_tol + margin:
-            reason = "rank"
+        refused = _refused(chol.d, chol.free, v, cand.bound, rank_tol, margin, delta)
+        if refused is not None:
+            reason = refused
             break
-        if delta:
-            if v < (1.0 - delta) * cand.bound:
-                reason = "bound"
-                break
-        else:
-            if not v > cand.bound + margin:
-                reason = "bound"
-                break
-            near = chol.free & (chol.d >= v - margin)
-            if np.any(chol.d[near] != v):
-                reason = "ambiguous"
-                break
         chol.take(c, chol.by_residual)
     return chol.choice(reason)
+
+
+def _best(d: np.ndarray, free: np.ndarray, index: np.ndarray) -> tuple[int, float]:
+    """Position and value of the largest ``d`` among ``free``, ties to the lowest ``index``."""
+    vals = np.where(free, d, -np.inf)
+    v = vals.max()
+    ties = np.flatnonzero(vals == v)
+    return int(ties[np.argmin(index[ties])]), float(v)
+
+
+def _refused(d, free, v: float, bound: float, rank_tol: float, margin: float,
+             delta: float) -> str | None:
+    """Why the free candidate of updated residual ``v`` (the largest) may not be the
+    block's next pivot (:func:`greedy_block`'s tests), or None if it may."""
+    if not v > rank_tol + margin:
+        return "rank"
+    if delta:
+        return "bound" if v < (1.0 - delta) * bound else None
+    if not v > bound + margin:
+        return "bound"
+    if np.any(d[free & (d >= v - margin)] != v):
+        return "ambiguous"
+    return None
 
 
 def _lone_pivot(kernel, cand, b_max, rank_tol, margin, delta, trace, tol):
@@ -514,9 +523,8 @@ def _lone_pivot(kernel, cand, b_max, rank_tol, margin, delta, trace, tol):
     m = values.shape[0]
     if m == 0:
         return None
-    top = values.max()
-    ties = np.flatnonzero(values == top)
-    c = int(ties[np.argmin(cand.index[ties])])
+    free = np.ones(m, dtype=bool)
+    c = _best(values, free, cand.index)[0]
     nu = math.sqrt(values[c])
     lone = BlockChoice(np.array([c], dtype=np.int64), np.array([[nu]]), "cap")
     if b_max <= 1:
@@ -535,18 +543,13 @@ def _lone_pivot(kernel, cand, b_max, rank_tol, margin, delta, trace, tol):
     if m == 1:
         lone.reason = "exhausted"
         return lone
-    d[c] = -np.inf
-    v = float(d.max())
-    if not v > rank_tol + margin:
-        lone.reason = "rank"
-    elif delta:
-        if v < (1.0 - delta) * cand.bound:
-            lone.reason = "bound"
-    elif not v > cand.bound + margin:
-        lone.reason = "bound"
-    elif np.any(d[d >= v - margin] != v):
-        lone.reason = "ambiguous"
-    return None if lone.reason == "cap" else lone
+    free[c] = False
+    refused = _refused(d, free, _best(d, free, cand.index)[1], cand.bound, rank_tol, margin,
+                       delta)
+    if refused is None:
+        return None
+    lone.reason = refused
+    return lone
 
 
 def rpcholesky_block(
@@ -723,7 +726,11 @@ def _single_pass(blocks: list, n: int, m: int) -> bool:
     if cap < 1 or not blocks:
         return False
     since, start = _singles_run(blocks)
-    streak = _streak(blocks, start)
+    return _run_goes_on(since, _streak(blocks, start), cap)
+
+
+def _run_goes_on(since: int, streak: int, cap: int) -> bool:
+    """After ``streak`` tried blocks of one and ``since`` single passes: another one."""
     return streak > 0 and since < min(2 ** (streak - 1), cap)
 
 
@@ -947,7 +954,7 @@ class BlockGreedy(PivotRule):
             since, start = _singles_run(blocks)
             streak = _streak(blocks, start)
         self._memo = (blocks, len(blocks), since, streak)
-        return streak > 0 and since < min(2 ** (streak - 1), cap)
+        return _run_goes_on(since, streak, cap)
 
 
 @register_rule
