@@ -26,6 +26,7 @@ _LAZY = {
     "local_cluster": ".deploy",
     "make_kernel": ".kernels",
     "median_gamma": ".kernels",
+    "persist_rows": "._services",
 }
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "local_cluster",
     "make_kernel",
     "median_gamma",
+    "persist_rows",
     "__version__",
 ]
 

@@ -336,7 +336,15 @@ class DaskBackend:
         # X held in worker memory (persisted) stays where it is: chunks are
         # grouped only with neighbours on the same worker, and each group's
         # tasks run there, so no byte of X or P moves between workers.
-        holders = _holders(self.client, X) if persist else None
+        holders = _holders(self.client, X, self.workers.nthreads) if persist else None
+        if holders is not None:
+            runs = 1 + sum(a != b for a, b in zip(holders[:-1], holders[1:]))
+            if runs > len(set(holders)):
+                logger.info(
+                    "X's %d row chunks are held on %d workers in %d runs of consecutive "
+                    "chunks: each pass runs at least one task per run. dkicf.persist_rows(X) "
+                    "holds them in one run per worker.", len(holders), len(set(holders)), runs,
+                )
         sizes = work_chunks(self.client, self.input_chunks, self.d, X.dtype, capacity, store,
                             persist, holders, self.workers)
         input_starts = np.concatenate([[0], np.cumsum(self.input_chunks)]).astype(np.int64)
@@ -621,8 +629,12 @@ class DaskBackend:
 
     def _rows_from(self, ahead: list, index: np.ndarray):
         """The rows at ``index`` from the chunks' largest residuals fetched with the last
-        pass (:func:`~dkicf._chunk.chunk_top_rows`), or None if one is missing there."""
-        parts = self._gather(ahead)
+        pass (:func:`~dkicf._chunk.chunk_top_rows`), or None if one is missing there.
+
+        ``ahead``: the rows themselves (from the update's reports), or the
+        futures of the tasks that fetch them.
+        """
+        parts = ahead if isinstance(ahead[0], tuple) else self._gather(ahead)
         where = np.concatenate([p[0] for p in parts])
         order = np.argsort(where, kind="stable")
         pos = np.searchsorted(where[order], index)
@@ -661,20 +673,24 @@ class DaskBackend:
             )
         self.step += 1
         inbox = self._events if m == 1 else None
+        # The rows of X and P that the next candidates come from go with the
+        # pass (X is read, not re-read), saving the round trip of tasks sent
+        # once the driver has chosen: in the update's report while they are
+        # small, else gathered from tasks that follow the update.
+        ahead = self.persist and prefetch is not None and bool(prefetch[2].limit)
+        in_report = ahead and inbox is not None and self._report_bytes(
+            prefetch[2].limit, block.rank + block.index.shape[0]) <= _REPORT_ROW_BYTES
         # One message to the scheduler for all chunks, so that they start together.
         self.states = self._map(
             "update", _chunk.chunk_update, self._xs(), self.states, arg,
             [None if inbox is None else (inbox.topic, self.step, j)
              for j in range(len(self.states))],
             [_stash_share(stash, c, self.n) for c in self.chunks],
-            None if inbox is None else prefetch,
-            each=(True, True, False, True, True, False),
+            None if inbox is None else prefetch, in_report,
+            each=(True, True, False, True, True, False, False),
         )
         self._rows_ahead = None
-        if self.persist and prefetch is not None and prefetch[2].limit:
-            # The rows of X and P that the next candidates come from, fetched
-            # now with the pass: the driver gathers them, saving the round
-            # trip of tasks sent once it has chosen (X is read, not re-read).
+        if ahead and not in_report:
             self._rows_ahead = self._map(
                 "top-rows", _chunk.chunk_top_rows, self._xs(), self.states, prefetch[2].limit,
                 each=(True, True, False),
@@ -687,10 +703,19 @@ class DaskBackend:
             stats = [p.pop("block_stats", None) for p in parts]
             if prefetch is not None and all(st is not None for st in stats):
                 self._prefetched = (prefetch, stats)
+            rows = [p.pop("top_rows", None) for p in parts]
+            if in_report and all(r is not None for r in rows):
+                self._rows_ahead = [tuple(r.get(k) for k in _chunk._TOP_ROWS) for r in rows]
+            inbox.trim(_REPORT_BYTES_KEPT)
             summary = _merge_summaries(parts, m)
         if self.step - self._last_rebase >= self.rebase_every:
             self._rebase(history)
         return summary
+
+    def _report_bytes(self, limit: int, rank: int) -> int:
+        """Bytes of the candidates' rows that a pass's reports would carry, over all chunks."""
+        rows = sum(min(limit, c) for c in self.chunks)
+        return rows * (self.d + rank + 3) * 8
 
     def _prefetch_request(self, lo: int, hi: int, request) -> tuple | None:
         """What the update tasks send of the next candidate request (None: nothing).
@@ -908,6 +933,12 @@ def _stash_share(count: int, rows: int, n: int) -> int:
 
 
 _INLINE_BLOCK_BYTES = 1 << 20
+# Candidates' rows (X and P) a pass's update reports may carry, over all
+# chunks; larger ones are fetched by tasks that follow the update.
+_REPORT_ROW_BYTES = 16 << 20
+# Bytes of reports the scheduler may keep in the fit's event topic before the
+# driver, which has them, asks it to forget them (see _EventInbox.trim).
+_REPORT_BYTES_KEPT = 64 << 20
 # Candidate statistics an update pass may send as events, over all chunks
 # (residuals and row indices; each entry is a Python number in the
 # scheduler's event log until the fit ends).  Larger requests are mapped.

@@ -521,6 +521,10 @@ def chunk_rows(x: np.ndarray, state: ChunkState, local: np.ndarray):
     return xr, aux, pr, state.e[local].copy()
 
 
+# The parts of :func:`chunk_top_rows`'s answer, by name (as update reports carry them).
+_TOP_ROWS = ("index", "x", "aux", "p", "e")
+
+
 def chunk_top_rows(x: np.ndarray, state: ChunkState, count: int):
     """``(global rows, then chunk_rows' values)`` of the chunk's ``count`` largest residuals.
 
@@ -675,7 +679,7 @@ def finish_block(P, e, offset: int, block: PivotBlock, pivots: np.ndarray) -> np
 
 def chunk_update(
     x: np.ndarray, state: ChunkState, block: PivotBlock, report: tuple | None = None,
-    stash: int = 0, prefetch: tuple | None = None,
+    stash: int = 0, prefetch: tuple | None = None, send_rows: bool = False,
 ) -> ChunkState:
     """Add the block's ``b`` columns to this chunk's piece of P (one dask task).
 
@@ -690,7 +694,10 @@ def chunk_update(
     many candidates) keeps the X rows of the new state's largest residuals,
     so the candidates' rows are found without reading the chunk again.
     ``prefetch = (lo, hi, request)`` adds the new state's
-    :func:`~dkicf.pivoting.chunk_block_stats` to the report.
+    :func:`~dkicf.pivoting.chunk_block_stats` to the report; with
+    ``send_rows`` the report also carries the rows of X and P of the
+    residuals those statistics list (:func:`chunk_top_rows`), so that the
+    driver needs no task to fetch the next candidates' rows.
     """
     i = block.rank
     if state.rank != i:
@@ -719,6 +726,10 @@ def chunk_update(
         if prefetch is not None:
             stats = chunk_block_stats(x, new, new.offset, *prefetch)
             summary = {**summary, **{f"block_stats.{k}": v for k, v in stats.items()}}
+            if send_rows and prefetch[2].limit:
+                top = chunk_top_rows(x, new, prefetch[2].limit)
+                summary.update({f"top_rows.{k}": v for k, v in zip(_TOP_ROWS, top)
+                                if v is not None})
         report_summary(report, summary)
     return new
 

@@ -9,6 +9,7 @@ unstick or diagnose a pass that waits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import threading
@@ -93,7 +94,8 @@ def report_summary(report: tuple, summary: dict) -> None:
 
     The event travels with the worker's task-finished message, so the driver
     learns the summary one scheduler round trip earlier than by running a
-    task to fetch it.  Floats go as Python floats, bit for bit.
+    task to fetch it.  Arrays go as their bytes (with shape and dtype), bit
+    for bit.
     """
     from distributed import get_worker
 
@@ -102,7 +104,7 @@ def report_summary(report: tuple, summary: dict) -> None:
     for key, value in summary.items():
         if isinstance(value, np.ndarray):
             value = {"shape": list(value.shape), "dtype": value.dtype.str,
-                     "data": value.ravel().tolist()}
+                     "bytes": value.tobytes()}
         msg[key] = value
     get_worker().log_event(topic, msg)
 
@@ -114,9 +116,11 @@ def summary_from_event(msg: dict) -> dict:
         if key in ("step", "chunk"):
             continue
         if isinstance(value, dict) and "shape" in value:
-            value = np.array(value["data"], dtype=value["dtype"]).reshape(value["shape"])
-        if key.startswith("block_stats."):
-            out.setdefault("block_stats", {})[key.split(".", 1)[1]] = value
+            value = np.frombuffer(value["bytes"], dtype=value["dtype"]).reshape(value["shape"])
+            value = value.copy()  # writeable, and free of the message's buffer
+        group, _, name = key.partition(".")
+        if name and group in ("block_stats", "top_rows"):
+            out.setdefault(group, {})[name] = value
         else:
             out[key] = value
     return out
@@ -151,6 +155,8 @@ class _EventInbox:
         self._got: dict[tuple[int, int], dict] = {}
         self._cond = threading.Condition()
         self._subscribed = False
+        # Bytes of arrays in the reports received since the scheduler last forgot them.
+        self._kept = 0
         try:
             client.subscribe_topic(topic, self._receive)
             self._subscribed = True
@@ -159,6 +165,8 @@ class _EventInbox:
 
     def _receive(self, event) -> None:
         _, msg = event
+        self._kept += sum(len(v["bytes"]) for v in msg.values()
+                          if isinstance(v, dict) and "bytes" in v)
         with self._cond:
             self._got[(int(msg["step"]), int(msg["chunk"]))] = msg
             self._cond.notify_all()
@@ -201,6 +209,21 @@ class _EventInbox:
                 if on_stall is not None and time.monotonic() > stall_at:
                     on_stall()
                     stall_at = time.monotonic() + _STALL_SECONDS
+
+    def trim(self, limit: int) -> None:
+        """Have the scheduler forget the topic's stored reports once they hold over ``limit``
+        bytes of arrays (best effort).
+
+        The scheduler keeps a topic's last events (1,000 by default) for as
+        long as it runs.  Reports that carry rows of P would otherwise hold
+        up to that many passes' worth of them; the driver has every report
+        it collected, and a report still in flight reaches it regardless.
+        """
+        if not self._subscribed or self._kept <= limit:
+            return
+        self._kept = 0
+        with contextlib.suppress(Exception):  # a scheduler refusing remote functions
+            self.client.run_on_scheduler(_forget_events, topic=self.topic)
 
     def close(self) -> None:
         """Unsubscribe, and drop the topic's events from the scheduler's log.
@@ -336,6 +359,17 @@ def _stall_report(token: str, dask_scheduler=None) -> dict:
             "workers": list(s.workers)}
 
 
+def _forget_events(topic: str, dask_scheduler=None) -> int:
+    """On the scheduler: empty an event topic's stored events, keeping its subscribers."""
+    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None)
+    found = None if topics is None else topics.get(topic)
+    if found is None:
+        return 0
+    count = len(found.events)
+    found.truncate()
+    return count
+
+
 async def _drop_topic(topic: str, dask_scheduler=None, wait: float = 2.0) -> bool:
     """On the scheduler: forget an event topic and its stored events (best effort).
 
@@ -381,6 +415,72 @@ def _placement(chunks, nthreads: dict) -> list[str | None]:
         homes.append(workers[w][0])
         start += c
     return homes
+
+
+def persist_rows(X, client=None):
+    """Hold a dask array's row chunks in worker memory, consecutive chunks together.
+
+    Like :meth:`distributed.Client.persist`, but each worker holds one run
+    of consecutive row chunks, its rows in proportion to its threads.  A
+    factorization of an X held this way runs one task per worker thread and
+    pass, and moves no byte of X between workers; an X persisted by dask
+    alone is often held interleaved (chunk 0 on worker A, 1 on B, 2 on A,
+    ...), and each run of chunks then costs a task of its own every pass.
+
+    Parameters
+    ----------
+    X : dask.array.Array of shape (n_samples, n_features)
+        The rows; its column chunks are merged into one.
+    client : distributed.Client, optional
+        Defaults to the current client.
+
+    Returns
+    -------
+    dask.array.Array
+        The same rows, computed and held on the workers.  The call returns
+        once every chunk is in memory.  Where the chunks were placed is not
+        binding afterwards: a chunk lost with its worker is recomputed
+        wherever dask chooses.
+
+    Examples
+    --------
+    >>> from dkicf import incomplete_cholesky, local_cluster, persist_rows
+    >>> import dask.array as da
+    >>> client = local_cluster(2, 1)  # doctest: +SKIP
+    >>> X = persist_rows(da.random.random((100_000, 8), chunks=(12_500, 8)))  # doctest: +SKIP
+    >>> res = incomplete_cholesky(X, gamma=0.5, max_rank=50)  # doctest: +SKIP
+    """
+    import dask.array as da
+    from distributed import wait
+
+    from ._cluster import get_client
+
+    if not isinstance(X, da.Array):
+        raise TypeError(
+            f"persist_rows takes a dask array, not {type(X).__name__}; wrap an array in "
+            "memory with dask.array.from_array(X, chunks=(rows, -1))."
+        )
+    if X.ndim != 2:
+        raise ValueError(f"persist_rows takes a 2-D array of rows; this one is {X.ndim}-D.")
+    client = get_client(client)
+    if X.numblocks[1] != 1:
+        X = X.rechunk({1: -1})
+    homes = _placement(X.chunks[0], client.nthreads())
+    blocks = list(X.to_delayed().ravel())
+    futures = [None] * len(blocks)
+    for home in dict.fromkeys(homes):
+        mine = [j for j, h in enumerate(homes) if h == home]
+        where = {} if home is None else {"workers": [home], "allow_other_workers": False}
+        for j, f in zip(mine, client.compute([blocks[j] for j in mine], **where)):
+            futures[j] = f
+    wait(futures)
+    for f in futures:
+        if f.status == "error":
+            f.result()  # raises the chunk's error
+    with contextlib.suppress(Exception):  # best effort, as after a fit's first tasks
+        client.run_on_scheduler(_drop_preferences, keys=[f.key for f in futures])
+    rebuild, args = X.__dask_postpersist__()
+    return rebuild({f.key: f for f in futures}, *args)
 
 
 def _identity(x):
@@ -432,8 +532,16 @@ def _aligned(x):
     return np.array(x, order="C", copy=True)
 
 
-def _holders(client, X) -> list[str] | None:
-    """The worker holding each row chunk of ``X``, if all are in worker memory (else None)."""
+def _holders(client, X, nthreads: dict | None = None) -> list[str] | None:
+    """The worker holding each row chunk of ``X``, if all are in worker memory (else None).
+
+    A chunk held by several workers (a replica, as a computation that
+    gathered the chunks leaves) is assigned to one of them: its home in the
+    consecutive placement (:func:`_placement` over ``nthreads``, by default
+    the client's) if that is one of them, else the worker of the chunk
+    before it, else the one with the fewest rows so far.  Taking always the
+    first would pile every replicated chunk on one worker.
+    """
     from dask.core import flatten
 
     keys = list(flatten(X.__dask_keys__()))
@@ -441,15 +549,34 @@ def _holders(client, X) -> list[str] | None:
         found = client.run_on_scheduler(_who_holds, keys=keys)
     except Exception:  # best effort: the chunks are then placed as if not held
         return None
-    return found if found and all(found) else None
+    if not found or not all(found):
+        return None
+    rows = [int(c) for c in X.chunks[0]] if len(keys) == len(X.chunks[0]) else [1] * len(keys)
+    ideal = None
+    if any(len(h) > 1 for h in found):
+        ideal = _placement(rows, client.nthreads() if nthreads is None else nthreads)
+    load: dict[str, int] = {}
+    out: list[str] = []
+    for j, held in enumerate(found):
+        if len(held) == 1:
+            pick = held[0]
+        elif ideal[j] in held:
+            pick = ideal[j]
+        elif out and out[-1] in held:
+            pick = out[-1]
+        else:
+            pick = min(held, key=lambda w: (load.get(w, 0), w))
+        load[pick] = load.get(pick, 0) + rows[j]
+        out.append(pick)
+    return out
 
 
 def _who_holds(keys: list, dask_scheduler=None) -> list:
-    """On the scheduler: one worker holding each key in memory (None where none does)."""
+    """On the scheduler: the workers holding each key in memory, sorted (empty where none
+    does)."""
     out = []
     for key in keys:
         ts = dask_scheduler.tasks.get(key)
         # who_has is None, not empty, for a task no worker holds.
-        holders = sorted(ws.address for ws in ts.who_has or ()) if ts is not None else []
-        out.append(holders[0] if holders else None)
+        out.append(sorted(ws.address for ws in ts.who_has or ()) if ts is not None else [])
     return out

@@ -338,6 +338,42 @@ def test_summaries_by_event_or_by_task_are_the_same(client, rng, monkeypatch):
     _bitwise_same(by_event, by_task)
 
 
+def _report_rows(topic, step, chunk):
+    from dkicf._services import report_summary
+
+    P = np.asfortranarray(np.arange(12.0).reshape(4, 3) / 7.0)
+    report_summary((topic, step, chunk), {"trace": 0.1 + 0.2, "top_rows.p": P,
+                                          "top_rows.index": np.arange(4, dtype=np.int64)})
+    return True
+
+
+def test_reports_carry_arrays_bit_for_bit_and_the_scheduler_forgets_them(client):
+    """An update's report carries arrays (rows of P, Fortran-ordered) exactly; once the
+    reports hold more bytes than allowed, the scheduler's copy of them is dropped while
+    the driver keeps what it collected and goes on receiving."""
+    from dkicf._services import _EventInbox
+
+    inbox = _EventInbox(client, "dkicf-test-trim")
+    try:
+        futs = [client.submit(_report_rows, inbox.topic, 1, j, pure=False) for j in range(2)]
+        got = inbox.collect(1, futs)
+        P = np.arange(12.0).reshape(4, 3) / 7.0
+        for part in got:
+            assert part["trace"] == 0.1 + 0.2
+            np.testing.assert_array_equal(part["top_rows"]["p"], P)
+            assert part["top_rows"]["index"].dtype == np.int64
+            part["top_rows"]["p"][0, 0] = 1.0  # writeable
+        assert len(client.get_events(inbox.topic)) == 2
+        inbox.trim(10_000)  # 2 x 128 bytes of arrays: under the limit, kept
+        assert len(client.get_events(inbox.topic)) == 2
+        inbox.trim(100)
+        assert len(client.get_events(inbox.topic)) == 0
+        futs = [client.submit(_report_rows, inbox.topic, 2, j, pure=False) for j in range(2)]
+        assert len(inbox.collect(2, futs)) == 2  # still subscribed
+    finally:
+        inbox.close()
+
+
 def test_factor_buffers_are_writable_fortran_arrays():
     from dkicf._chunk import empty_columns, empty_vector
 
@@ -484,6 +520,79 @@ def test_persisted_X_and_P_never_move_between_workers(client, rng, pivoting):
     np.testing.assert_array_equal(res.pivots, ref.pivots)
 
 
+def test_persist_rows_holds_one_run_per_worker_and_a_pass_runs_one_task_each(
+        client, rng, caplog):
+    """persist_rows: the same rows, one run of consecutive chunks per worker, no worker
+    restriction left on the chunks; a fit on it groups each run into one task (two
+    update tasks a pass on two workers), moves nothing, and has the numpy pivots.
+    dask's own persist of the same chunks holds them in more runs, which the fit logs."""
+    import logging
+
+    from distributed import wait
+
+    from dkicf import persist_rows
+    from dkicf._services import _holders
+
+    X = rng.normal(size=(4000, 3))
+    lazy = da.from_array(X, chunks=(250, 1))  # 16 row chunks, column chunks merged
+    Xd = persist_rows(lazy, client=client)
+    holders = _holders(client, Xd)
+    assert Xd.chunks == ((250,) * 16, (3,)) and holders is not None
+    assert holders == sorted(holders) and len(set(holders)) == 2
+    assert holders.count(holders[0]) == 8  # rows shared in proportion to threads
+    restricted = client.run_on_scheduler(
+        lambda keys, dask_scheduler=None: [dask_scheduler.tasks[k].worker_restrictions
+                                           for k in keys],
+        keys=[k for row in Xd.__dask_keys__() for k in row])
+    assert not any(restricted)
+    tasks = []
+    real = client.map
+
+    def spy(func, *args, key=None, **kwargs):
+        tasks.extend(k for k in (key or []) if "icf-update-" in k)
+        return real(func, *args, key=key, **kwargs)
+
+    before = {w: len(keys) for w, keys in client.run(_incoming).items()}
+    with caplog.at_level(logging.INFO, logger="dkicf._backends"), \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setattr(client, "map", spy)
+        res = _incomplete_cholesky(Xd, gamma=0.5, max_rank=30, tol=0, client=client)
+    assert "runs of consecutive" not in caplog.text
+    moved = [k for w, keys in client.run(_incoming).items() for k in keys[before.get(w, 0):]]
+    assert [k for k in moved if any(n in k for n in (Xd.name, "icf-x-", "icf-update-"))] == []
+    steps = {k.rsplit("-", 2)[1] for k in tasks}
+    assert len(tasks) == 2 * len(steps)
+    np.testing.assert_array_equal(
+        res.pivots, _incomplete_cholesky(X, gamma=0.5, max_rank=30, tol=0).pivots)
+    np.testing.assert_array_equal(Xd.compute(), X)  # copies chunks to one worker
+    # Chunks now held twice are assigned to their consecutive homes, not piled on one.
+    assert any(len(ws) == 2 for ws in client.who_has(Xd).values())
+    assert _holders(client, Xd) == holders
+    # Chunks held alternately, as dask's own persist often leaves them: the fit says how
+    # to do better.
+    lazy = da.from_array(X, chunks=(500, 3))
+    workers = sorted(client.nthreads())
+    blocks = list(lazy.to_delayed().ravel())
+    futs = [client.compute(b, workers=[workers[j % 2]]) for j, b in enumerate(blocks)]
+    wait(futs)
+    rebuild, args = lazy.__dask_postpersist__()
+    spread = rebuild({f.key: f for f in futs}, *args)
+    assert _holders(client, spread) == [workers[j % 2] for j in range(8)]
+    with caplog.at_level(logging.INFO, logger="dkicf._backends"):
+        _incomplete_cholesky(spread, gamma=0.5, max_rank=5, tol=0, client=client)
+    assert "8 row chunks are held on 2 workers in 8 runs" in caplog.text
+    assert "dkicf.persist_rows(X)" in caplog.text
+
+
+def test_persist_rows_refuses_what_it_cannot_hold(client):
+    from dkicf import persist_rows
+
+    with pytest.raises(TypeError, match="dask.array.from_array"):
+        persist_rows(np.zeros((10, 2)), client=client)
+    with pytest.raises(ValueError, match="2-D"):
+        persist_rows(da.zeros(10, chunks=5), client=client)
+
+
 @pytest.mark.parametrize("held", [True, False])
 def test_set_up_tasks_are_pinned_where_x_is_held(client, rng, monkeypatch, held):
     """Where X is held on the workers the set-up tasks may run only there (work stealing
@@ -491,7 +600,8 @@ def test_set_up_tasks_are_pinned_where_x_is_held(client, rng, monkeypatch, held)
     from distributed import wait
 
     X = rng.normal(size=(2000, 3))
-    Xd = da.from_array(X, chunks=500)
+    # Keys of their own: the other case's held chunks may not yet be released.
+    Xd = da.from_array(X, chunks=500, name=f"x-held-{held}")
     if held:
         Xd = client.persist(Xd)
         wait(Xd)

@@ -565,11 +565,17 @@ def test_a_block_that_ends_at_its_first_pivot_is_found_without_the_small_cholesk
     assert set(seen) == {"full", "cap", "tol", "exhausted", "rank", "bound", "ambiguous"}, seen
 
 
-def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names):
+@pytest.mark.parametrize("carried", ["report", "tasks"])
+def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names, carried):
     """With X held on the workers, each pass also fetches its chunks' largest residuals'
     rows, and the driver takes the candidates' rows from them: no task after the choice,
-    and the same fit."""
+    and the same fit.  The rows come in the update's report, or from tasks that follow
+    the update where they are too large for it."""
+    from dkicf import _backends
     from dkicf._backends import DaskBackend
+
+    if carried == "tasks":
+        monkeypatch.setattr(_backends, "_REPORT_ROW_BYTES", 0)
 
     X = rng.normal(size=(6000, 5))
     kw = {"gamma": 0.3, "max_rank": 150, "tol": 0}
@@ -588,7 +594,10 @@ def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names):
     np.testing.assert_allclose(res.P.compute(), ref.P, rtol=0, atol=1e-10)
     tried = [why for _, _, why in res.info["blocks"] if why != "single"]
     assert len(tried) >= 3
-    assert len(tried) <= map_names.count("top-rows") <= map_names.count("update")
+    if carried == "tasks":
+        assert len(tried) <= map_names.count("top-rows") <= map_names.count("update")
+    else:
+        assert "top-rows" not in map_names
     # The first block's candidate rows come from tasks, every later block's from a pass.
     assert served == [True] * (len(tried) - 1)
 

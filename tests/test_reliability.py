@@ -774,4 +774,4 @@ def test_the_placement_lookup_takes_a_task_that_no_worker_holds():
     tasks = {"lost": SimpleNamespace(who_has=None),
              "held": SimpleNamespace(who_has=[worker("tcp://b:2"), worker("tcp://a:1")])}
     assert _who_holds(["lost", "held", "forgotten"], SimpleNamespace(tasks=tasks)) == [
-        None, "tcp://a:1", None]
+        [], ["tcp://a:1", "tcp://b:2"], []]
