@@ -8,7 +8,10 @@ For every worker count W (1, 2, 4, ... up to the cores present, or
 processes of their own; ``--shared-too`` also runs the largest W as a plain
 LocalCluster, with them in the driver's process),
 X is generated on the workers in ``--chunks-per-worker`` row chunks per
-worker and persisted there, then timed:
+worker and held there by :func:`dkicf.persist_rows` (consecutive chunks on
+the same worker; ``--placement dask`` leaves them where dask's own persist
+puts them, often interleaved, which costs a task per run of chunks every
+pass), then timed:
 
 * ICF (:func:`dkicf.incomplete_cholesky`) and k-means (:func:`dkicf.kmeans`,
   10 clusters) on the cluster: seconds, speed-up over W = 1, efficiency;
@@ -107,11 +110,18 @@ def numpy_data(n: int, d: int):
     return generate_rows("blobs", 0, n, n_total=n, random_state=0, n_features=d, centers=10)
 
 
-def dask_data(client, n: int, d: int, chunks: int):
-    """X generated on the workers, ``chunks`` row chunks, persisted (one read)."""
+def dask_data(client, n: int, d: int, chunks: int, placement: str = "rows"):
+    """X generated on the workers, ``chunks`` row chunks, persisted (one read).
+
+    ``placement="rows"``: :func:`dkicf.persist_rows` (consecutive chunks on
+    the same worker); ``"dask"``: ``client.persist`` (where dask puts them,
+    often interleaved).
+    """
     import dask
     import dask.array as da
     from distributed import wait
+
+    from dkicf import persist_rows
 
     edges = np.linspace(0, n, chunks + 1).round().astype(np.int64)
     parts = [
@@ -119,7 +129,10 @@ def dask_data(client, n: int, d: int, chunks: int):
                         dtype=np.float64)
         for a, b in zip(edges[:-1], edges[1:])
     ]
-    X = client.persist(da.concatenate(parts, axis=0))
+    X = da.concatenate(parts, axis=0)
+    if placement == "rows":
+        return persist_rows(X, client=client)
+    X = client.persist(X)
     wait(X)
     return X
 
@@ -412,14 +425,14 @@ def say_cpu(used: dict, wall: float, W: int) -> None:
 
 def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_worker: int,
              with_kmeans: bool, want_breakdown: bool, profile: bool = False,
-             separate="auto") -> dict:
+             separate="auto", placement: str = "rows") -> dict:
     from distributed import get_task_stream
 
     from dkicf import incomplete_cholesky, kmeans, local_cluster
 
     client = local_cluster(W, 1, separate_processes=separate)
     try:
-        X = dask_data(client, n, d, W * chunks_per_worker)
+        X = dask_data(client, n, d, W * chunks_per_worker, placement)
         clock = DriverClock()
         with contextlib.ExitStack() as stack:
             ts = stack.enter_context(get_task_stream(client)) if want_breakdown else None
@@ -473,9 +486,12 @@ def ari(labels, y) -> float:
 
 def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per_worker: int,
             with_kmeans: bool, with_numpy: bool, with_sklearn: bool, want_breakdown: bool,
-            k: int = 10, profile: bool = False, shared_too: bool = False) -> dict:
+            k: int = 10, profile: bool = False, shared_too: bool = False,
+            placement: str = "rows") -> dict:
+    held = {"rows": "held by dkicf.persist_rows", "dask": "held where dask's persist put them"}
     say(f"\n== n = {n:,}, d = {d}, s = {s}, gamma = {gamma}, k = {k}; "
-        f"{cores()} cores; dask: W workers x 1 thread, {chunks_per_worker} chunk(s) per worker")
+        f"{cores()} cores; dask: W workers x 1 thread, {chunks_per_worker} chunk(s) per worker "
+        f"{held[placement]}")
     X, y = numpy_data(n, d) if (with_numpy or with_sklearn or with_kmeans) else (None, None)
     rows = {}
     if with_numpy:
@@ -483,7 +499,8 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
     totals = {}
     for W in workers:
         rows[f"W={W}"] = r = run_dask(n, d, W, s, gamma, k, chunks_per_worker, with_kmeans,
-                                      want_breakdown, profile and W == max(workers))
+                                      want_breakdown, profile and W == max(workers),
+                                      placement=placement)
         if want_breakdown:
             totals[W] = print_breakdown(r["breakdown"], f"W = {W}")
         say_cpu(r["cpu"], r["icf"], W)
@@ -491,7 +508,8 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
         # The largest W again, scheduler and nannies in the driver's process (a LocalCluster).
         W = max(workers)
         rows[f"W={W} LocalCluster"] = r = run_dask(n, d, W, s, gamma, k, chunks_per_worker,
-                                                   with_kmeans, want_breakdown, False, False)
+                                                   with_kmeans, want_breakdown, False, False,
+                                                   placement)
         if want_breakdown:
             print_breakdown(r["breakdown"], f"W = {W}, scheduler and nannies in the driver")
     ref = rows.get("numpy", next(iter(rows.values())))["pivots"]
@@ -600,21 +618,25 @@ def numpy_cores(n: int, s: int, d: int, gamma: float, cores: int, repeats: int =
     return best[1] / best[cores]
 
 
-def targets(s: int, d: int, gamma: float, chunks_per_worker: int) -> None:
+def targets(s: int, d: int, gamma: float, chunks_per_worker: int,
+            placement: str = "rows") -> None:
     """The issue's 2-core targets."""
     say("\n#### 2-core targets of the scale-out issue")
     reference = numpy_cores(1_000_000, s, d, gamma, 2)
-    r = scaling(1_000_000, s, d, gamma, [1, 2], chunks_per_worker, False, False, False, True)
+    r = scaling(1_000_000, s, d, gamma, [1, 2], chunks_per_worker, False, False, False, True,
+                placement=placement)
     one, two = r["rows"]["W=1"]["icf"], r["rows"]["W=2"]["icf"]
     say(f"TARGET ICF speed-up 2 workers vs 1 at n = 1e6, s = {s}: {one / two:.2f}x "
         f"(target >= 1.8x; the numpy backend gains {reference:.2f}x from 2 cores)")
-    r = scaling(2_000_000, s, d, gamma, [2], chunks_per_worker, False, False, False, True)
+    r = scaling(2_000_000, s, d, gamma, [2], chunks_per_worker, False, False, False, True,
+                placement=placement)
     t = r["totals"][2]
     say(f"TARGET idle (stragglers) share of a pass at n = 2e6, W = 2: "
         f"{t['stragglers'] / t['wall']:.1%} (target <= 10%); all passes' walls {t['wall']:.2f} s")
     per = {}
     for n in (500_000, 4_000_000):
-        r = scaling(n, s, d, gamma, [2], chunks_per_worker, False, False, False, True)
+        r = scaling(n, s, d, gamma, [2], chunks_per_worker, False, False, False, True,
+                placement=placement)
         t = r["totals"][2]
         per[n] = t["driver"] / max(t["n_passes"], 1)
     say(f"TARGET driver time per pass, W = 2: n = 5e5 {per[500_000] * 1e3:.1f} ms, n = 4e6 "
@@ -666,6 +688,9 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, nargs="+", default=None,
                    help="worker counts (default 1, 2, 4, ... up to the cores)")
     p.add_argument("--chunks-per-worker", type=int, default=4)
+    p.add_argument("--placement", choices=("rows", "dask"), default="rows",
+                   help="X held by dkicf.persist_rows (consecutive chunks per worker, the "
+                        "default) or where dask's own persist puts them")
     p.add_argument("--no-kmeans", action="store_true")
     p.add_argument("--no-numpy", action="store_true")
     p.add_argument("--no-sklearn", action="store_true")
@@ -701,22 +726,24 @@ def main(argv=None) -> None:
         if args.near_identity:
             near_identity()
         elif args.targets:
-            targets(args.s, args.d, args.gamma, args.chunks_per_worker)
+            targets(args.s, args.d, args.gamma, args.chunks_per_worker, args.placement)
             near_identity()
         elif args.quick:
             ws = args.workers or default_w
             scaling(2_000_000, args.s, args.d, args.gamma, ws, args.chunks_per_worker,
                     not args.no_kmeans, not args.no_numpy, not args.no_sklearn,
-                    not args.no_breakdown, shared_too=args.shared_too)
+                    not args.no_breakdown, shared_too=args.shared_too,
+                    placement=args.placement)
             scaling(8_000_000, args.s, args.d, args.gamma, [max(ws)], args.chunks_per_worker,
                     not args.no_kmeans, not args.no_numpy, not args.no_sklearn,
-                    not args.no_breakdown, shared_too=args.shared_too)
+                    not args.no_breakdown, shared_too=args.shared_too,
+                    placement=args.placement)
         else:
             for n in args.n:
                 scaling(int(n), args.s, args.d, args.gamma, args.workers or default_w,
                         args.chunks_per_worker, not args.no_kmeans, not args.no_numpy,
                         not args.no_sklearn, not args.no_breakdown, profile=args.profile,
-                        shared_too=args.shared_too)
+                        shared_too=args.shared_too, placement=args.placement)
     finally:
         say(f"\nbench_scaling: {time.perf_counter() - t_run:.0f} s in all")
 
