@@ -683,3 +683,32 @@ def test_numpy_candidate_statistics_by_thread_range_equal_one_chunk(rng, monkeyp
     order = np.lexsort((np.arange(X.shape[0]), -st.e))
     np.testing.assert_array_equal(cand.index, order[:300])
     assert cand.bound == st.e[order[300]]
+
+
+def _task_modules_state() -> dict:
+    """On a worker: whether the background import ran, and the task modules present."""
+    import sys
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "dkicf-imports":
+            t.join(60)
+    from dkicf._memory import _TASK_MODULES
+
+    return {name: name in sys.modules for name in _TASK_MODULES}
+
+
+def test_workers_of_a_local_cluster_import_the_task_modules_before_any_fit():
+    """The preload imports what a fit's tasks import, in the background: a first fit's
+    set-up does not wait for it (a fresh cluster: nothing else ran there)."""
+    from dkicf import local_cluster
+    from dkicf._memory import _TASK_MODULES
+
+    fresh = local_cluster(1, 1, memory_limit="1GiB")
+    try:
+        found = fresh.run(_task_modules_state)
+    finally:
+        cluster = fresh.cluster
+        fresh.close()
+        cluster.close()
+    assert list(found.values()) == [dict.fromkeys(_TASK_MODULES, True)]
