@@ -600,10 +600,31 @@ class DaskBackend:
     def rows(self, index: np.ndarray):
         index = np.asarray(index, dtype=np.int64)
         ahead, self._rows_ahead = getattr(self, "_rows_ahead", None), None
+        parts = None
         if ahead is not None:
-            found = self._rows_from(ahead, index)
+            parts = ahead if isinstance(ahead[0], tuple) else self._gather(ahead)
+            found = self._rows_from(parts, index)
             if found is not None:
                 return found
+        have, take = _match_rows(parts, index)
+        # Only the rows the pass did not bring are fetched (a tie at the
+        # largest residual puts most candidates in the lowest-indexed chunk).
+        fetched = self._fetch_rows(index[~have])
+        if take is None:
+            return fetched
+        out = []
+        for k, got in enumerate(fetched):
+            if got is None:
+                out.append(None)
+                continue
+            whole = np.empty((index.shape[0], *got.shape[1:]), dtype=got.dtype)
+            whole[~have] = got
+            whole[have] = np.concatenate([p[k + 1] for p in parts])[take]
+            out.append(whole)
+        return tuple(out)
+
+    def _fetch_rows(self, index: np.ndarray):
+        """The rows at ``index`` of X and P (and aux, residuals), by tasks on their chunks."""
         js, local = self._locate(index)
         groups: dict[int, list[int]] = {}
         for pos, j in enumerate(js):
@@ -627,21 +648,12 @@ class DaskBackend:
                 aux[pos] = a_
         return xr, aux, pr, er
 
-    def _rows_from(self, ahead: list, index: np.ndarray):
+    def _rows_from(self, parts: list, index: np.ndarray):
         """The rows at ``index`` from the chunks' largest residuals fetched with the last
-        pass (:func:`~dkicf._chunk.chunk_top_rows`), or None if one is missing there.
-
-        ``ahead``: the rows themselves (from the update's reports), or the
-        futures of the tasks that fetch them.
-        """
-        parts = ahead if isinstance(ahead[0], tuple) else self._gather(ahead)
-        where = np.concatenate([p[0] for p in parts])
-        order = np.argsort(where, kind="stable")
-        pos = np.searchsorted(where[order], index)
-        pos = np.minimum(pos, where.shape[0] - 1)
-        if where.shape[0] == 0 or not np.array_equal(where[order][pos], index):
+        pass (:func:`~dkicf._chunk.chunk_top_rows`), or None if one is missing there."""
+        have, take = _match_rows(parts, index)
+        if take is None or not have.all():
             return None
-        take = order[pos]
         xr = np.concatenate([p[1] for p in parts])[take]
         aux = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])[take]
         pr = np.concatenate([p[3] for p in parts])[take]
@@ -913,6 +925,26 @@ class DaskBackend:
                 self.client.cancel(futures)
             except Exception:  # pragma: no cover - the cluster itself is gone
                 return
+
+
+def _match_rows(parts: list | None, index: np.ndarray):
+    """Which of ``index`` the rows fetched with a pass hold, and where.
+
+    ``parts``: :func:`~dkicf._chunk.chunk_top_rows` answers (global rows
+    first), or None.  Returns ``(have, take)``: a mask over ``index``, and
+    the positions of the held ones in the concatenated parts (None if none
+    is held).
+    """
+    have = np.zeros(index.shape[0], dtype=bool)
+    if not parts:
+        return have, None
+    where = np.concatenate([p[0] for p in parts])
+    if where.shape[0] == 0:
+        return have, None
+    order = np.argsort(where, kind="stable")
+    pos = np.minimum(np.searchsorted(where[order], index), where.shape[0] - 1)
+    have = where[order][pos] == index
+    return have, (order[pos[have]] if have.any() else None)
 
 
 def _top_share(count: int, rows: int, n: int) -> int:

@@ -101,6 +101,14 @@ def chunk_block_stats(x, state, offset: int, lo: int, hi: int, request: Candidat
         want = request.count + 1
         take = min(want, request.limit) if request.limit else want
         local = top_rows_of(state, take)
+        if take < want and e.shape[0] > take and e[local[-1]] == e[local[0]]:
+            # Cut inside a tie at the chunk's largest value (a flat residual,
+            # the first passes of a Gaussian kernel): the overall top is then
+            # the lowest-indexed tied rows, often all from one chunk, which a
+            # cut would have to ask again.  Indices and residuals are small;
+            # the chunk sends them in full.
+            take = want
+            local = top_rows_of(state, take)
         out["key"], out["index"] = e[local].copy(), local + offset
         out["cut"] = take < want and e.shape[0] > take
     else:

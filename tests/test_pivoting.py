@@ -565,6 +565,82 @@ def test_a_block_that_ends_at_its_first_pivot_is_found_without_the_small_cholesk
     assert set(seen) == {"full", "cap", "tol", "exhausted", "rank", "bound", "ambiguous"}, seen
 
 
+def test_a_chunk_cut_inside_a_tie_at_its_largest_residual_sends_the_tie():
+    """Candidate statistics limited to a few rows: a chunk whose limit falls inside a tie at
+    its largest residual sends every wanted row, exactly what an unlimited request gives;
+    a chunk cut below its largest value stays cut."""
+    from dataclasses import replace
+
+    from dkicf._candidates import CandidateRequest, chunk_block_stats
+
+    class _State:
+        def __init__(self, e):
+            self.e, self.P = e, np.zeros((e.shape[0], 0))
+
+    flat = np.ones(500)
+    flat[[3, 70, 250]] = 0.25  # rows near a pivot; the rest tie at 1.0
+    falling = np.linspace(1.0, 0.5, 500)
+    request = CandidateRequest(rule="top", count=99)
+    for e, tied in [(flat, True), (falling, False)]:
+        full = chunk_block_stats(None, _State(e), 1000, 0, 0, request)
+        cut = chunk_block_stats(None, _State(e), 1000, 0, 0, replace(request, limit=30))
+        if tied:
+            assert not cut["cut"]
+            np.testing.assert_array_equal(cut["index"], full["index"])
+            np.testing.assert_array_equal(cut["key"], full["key"])
+            assert cut["index"][:3].tolist() == [1000, 1001, 1002]
+        else:
+            assert cut["cut"] and cut["index"].shape == (30,)
+            np.testing.assert_array_equal(cut["index"], full["index"][:30])
+
+
+def _separated_blobs(rng, n: int = 8000) -> np.ndarray:
+    """Four tight blobs 100 apart: the Gaussian kernel between them is exactly 0, so the
+    residuals of the blobs without a pivot stay tied at exactly 1."""
+    centres = np.array([[0.0, 0.0], [100.0, 0.0], [0.0, 100.0], [100.0, 100.0]])
+    return centres[np.arange(n) % 4] + 0.3 * rng.normal(size=(n, 2))
+
+
+def test_tied_candidates_cost_no_second_ask_and_only_missing_rows_are_fetched(
+        client, rng, monkeypatch):
+    """Chunks held interleaved (so each sends only its share of the largest residuals) and
+    residuals tied at 1: the candidates come without asking the chunks again, the rows
+    the pass did not bring are fetched alone, and the pivots are the numpy backend's."""
+    from distributed import wait
+
+    from dkicf import _backends, pivoting
+
+    X = _separated_blobs(rng)
+    lazy = da.from_array(X, chunks=(500, 2))
+    workers = sorted(client.nthreads())
+    futs = [client.compute(b, workers=[workers[j % 2]])
+            for j, b in enumerate(lazy.to_delayed().ravel())]
+    wait(futs)
+    rebuild, args = lazy.__dask_postpersist__()
+    Xd = rebuild({f.key: f for f in futs}, *args)
+    complete, fetched = [], []
+    real_complete, real_fetch = pivoting._complete_top, _backends.DaskBackend._fetch_rows
+
+    def spy_complete(*a):
+        complete.append(real_complete(*a))
+        return complete[-1]
+
+    def spy_fetch(self, index):
+        fetched.append(index.shape[0])
+        return real_fetch(self, index)
+
+    monkeypatch.setattr(pivoting, "_complete_top", spy_complete)
+    monkeypatch.setattr(_backends.DaskBackend, "_fetch_rows", spy_fetch)
+    kw = {"gamma": 0.5, "max_rank": 60, "tol": 0}
+    res = incomplete_cholesky(Xd, client=client, **kw)
+    np.testing.assert_array_equal(res.pivots, incomplete_cholesky(X, **kw).pivots)
+    blocks = [size for size, _, why in res.info["blocks"] if why != "single"]
+    assert len(blocks) >= 3 and fetched[0] == blocks[0]  # the first block's rows: all fetched
+    assert len(complete) >= len(blocks) and all(complete)  # no chunk asked again
+    # Later blocks: fewer rows fetched than candidates (the rest came with the pass).
+    assert any(0 < f < blocks[0] for f in fetched[1:]), (fetched, blocks)
+
+
 @pytest.mark.parametrize("carried", ["report", "tasks"])
 def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names, carried):
     """With X held on the workers, each pass also fetches its chunks' largest residuals'
