@@ -860,7 +860,7 @@ class DaskBackend:
                 **self.store.zarr_kwargs(),
             )[:, :rank]
         else:
-            P = self._as_input_chunks(self._memory_P(rank))
+            P = self._memory_P(rank)
         e = da.concatenate(
             [
                 da.from_delayed(
@@ -879,16 +879,27 @@ class DaskBackend:
         return arr.rechunk({0: self.input_chunks})
 
     def _memory_P(self, rank: int):
+        """P held in the states' buffers, row-chunked like the input X.
+
+        Each input chunk's rows are a view of its group's buffer, taken
+        where the state lives: a rechunk would copy them (dask copies a
+        slice of less than half a chunk), a second P in memory that a
+        k-means then waits for.
+        """
         import dask.array as da
 
+        starts = np.concatenate([[0], np.cumsum(self.input_chunks)]).astype(np.int64)
+        owner = np.searchsorted(self.offsets, starts[:-1], side="right") - 1
+        pieces = [(int(j), int(a - self.offsets[j]), int(b - self.offsets[j]))
+                  for j, a, b in zip(owner, starts[:-1], starts[1:])]
+        futs = self.client.map(
+            _chunk.chunk_P, [self.states[j] for j, _, _ in pieces], [rank] * len(pieces),
+            [a for _, a, _ in pieces], [b for _, _, b in pieces],
+            key=[f"icf-P-{self.token}-{k}" for k in range(len(pieces))], pure=False,
+        )
         return da.concatenate(
-            [
-                da.from_delayed(
-                    self.client.submit(_chunk.chunk_P, st, rank, key=f"icf-P-{self.token}-{j}"),
-                    shape=(c, rank), dtype=np.float64,
-                )
-                for j, (st, c) in enumerate(zip(self.states, self.chunks))
-            ],
+            [da.from_delayed(f, shape=(b - a, rank), dtype=np.float64)
+             for f, (_, a, b) in zip(futs, pieces)],
             axis=0,
         )
 

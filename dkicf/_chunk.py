@@ -882,9 +882,9 @@ def _worker_state(key: str | None, rank: int) -> ChunkState | None:
     return None
 
 
-def chunk_P(state: ChunkState, rank: int) -> np.ndarray:
-    """The chunk's rows of P, first ``rank`` columns (a view)."""
-    return state.P[:, :rank]
+def chunk_P(state: ChunkState, rank: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """The chunk's rows ``lo:hi`` of P, first ``rank`` columns (a view, not a copy)."""
+    return state.P[lo:hi, :rank]
 
 
 def chunk_residual(state: ChunkState) -> np.ndarray:

@@ -288,6 +288,8 @@ def test_grouping_chunks_into_tasks_changes_no_bit(client, rng, monkeypatch):
     Xd = da.from_array(X, chunks=((130, 270, 100, 300, 200), (3,)))
     grouped = incomplete_cholesky(Xd, gamma=0.5, max_rank=40, tol=0, client=client)
     assert grouped.P.chunks[0] == Xd.chunks[0]  # P comes back chunked like X
+    # ... as views of the groups' buffers: no rechunk, which would copy the rows.
+    assert not any("rechunk" in str(k) for k in dict(grouped.P.__dask_graph__()))
     monkeypatch.setattr(_backends, "work_chunks", lambda client, chunks, *a: tuple(chunks))
     single = incomplete_cholesky(Xd, gamma=0.5, max_rank=40, tol=0, client=client)
     _bitwise_same(grouped, single)
@@ -372,6 +374,15 @@ def test_reports_carry_arrays_bit_for_bit_and_the_scheduler_forgets_them(client)
         assert len(inbox.collect(2, futs)) == 2  # still subscribed
     finally:
         inbox.close()
+
+
+def test_a_chunk_of_p_is_a_view_of_its_groups_buffer(rng):
+    from dkicf._chunk import chunk_init, chunk_P
+    from dkicf.kernels import make_kernel
+
+    state = chunk_init(rng.normal(size=(50, 3)), make_kernel("rbf", gamma=0.5), 0, 8)
+    piece = chunk_P(state, 5, 10, 30)
+    assert piece.shape == (20, 5) and np.shares_memory(piece, state.P)
 
 
 def test_factor_buffers_are_writable_fortran_arrays():
