@@ -18,6 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from ._cluster import get_client
+
 _CONTROLLER: ThreadpoolController | None = None
 
 
@@ -452,8 +454,6 @@ def persist_rows(X, client=None):
     """
     import dask.array as da
     from distributed import wait
-
-    from ._cluster import get_client
 
     if not isinstance(X, da.Array):
         raise TypeError(
