@@ -93,6 +93,18 @@ def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(onehot.T @ x)
 
 
+def _take_rows(p, local: np.ndarray) -> np.ndarray:
+    """Rows ``local`` of a chunk as a C-ordered float64 array.
+
+    A Fortran-ordered chunk (a factorization's P) is read column by column,
+    each a contiguous run: fancy indexing its rows would visit every column
+    once per row, several times slower.
+    """
+    if isinstance(p, np.ndarray) and p.ndim == 2 and p.strides[0] == p.itemsize:
+        return np.ascontiguousarray(p.T[:, local].T, dtype=np.float64)
+    return np.asarray(p[local], dtype=np.float64).reshape(len(local), p.shape[1])
+
+
 def _row_blocks(p, offset: int, width: int, check: bool):
     """``(lo, hi, rows)`` of a chunk in blocks that keep the kernels' working set small.
 
@@ -102,11 +114,23 @@ def _row_blocks(p, offset: int, width: int, check: bool):
     size depends on P's width and ``width`` only.  Rows are widened to
     float64 block by block; ``check``: raise on NaN or infinity (P that was
     not validated yet).
+
+    A chunk that is not C-ordered float64 (a factorization's P is
+    Fortran-ordered) is copied block by block into this thread's scratch
+    block, C-ordered, while the block is in cache: the passes' kernels read
+    Fortran-ordered rows several times slower, and a C-ordered copy of the
+    whole chunk would double P in memory.  The block is only valid until
+    the next one.
     """
     step = max(256, min(_BLOCK_ELEMENTS // max(1, width), _BLOCK_BYTES // (8 * max(1, p.shape[1]))))
+    direct = isinstance(p, np.ndarray) and p.dtype == np.float64 and p.flags.c_contiguous
     for lo in range(0, p.shape[0], step):
         hi = min(lo + step, p.shape[0])
-        x = np.asarray(p[lo:hi], dtype=np.float64)
+        if direct:
+            x = p[lo:hi]
+        else:
+            x = scratch("kmeans-rows", (hi - lo, p.shape[1]))
+            np.copyto(x, p[lo:hi], casting="same_kind")
         if check:
             _check_finite(x, offset + lo)
         yield lo, hi, x
@@ -244,7 +268,7 @@ def _chunk_oversample(p, offset: int, states, phis: list, ell: float, keys: list
             continue
         u = _uniform(key, np.arange(offset, offset + d2.shape[0], dtype=np.int64))
         local = np.flatnonzero(u * phi < ell * d2)
-        out.append(np.asarray(p[local], dtype=np.float64).reshape(local.size, p.shape[1]))
+        out.append(_take_rows(p, local))
     return out
 
 
@@ -345,7 +369,7 @@ def _chunk_distinct(p, offset: int, k: int, direction: np.ndarray,
 
 def _chunk_take(p, local: np.ndarray) -> np.ndarray:
     """Rows of a chunk at local indices, as float64."""
-    return np.asarray(p[local], dtype=np.float64)
+    return _take_rows(p, np.asarray(local, dtype=np.int64))
 
 
 def _rows_of(taken: tuple) -> np.ndarray:
@@ -453,7 +477,7 @@ class _NumpyBackend:
             return list(self.pool.map(one, blocks))
 
     def rows(self, index: np.ndarray) -> np.ndarray:
-        return np.asarray(self.P[index], dtype=np.float64)
+        return _take_rows(self.P, np.asarray(index, dtype=np.int64))
 
     # P was checked for NaN and infinity on entry (check_array_2d): check=False.
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
@@ -519,7 +543,7 @@ class _DaskBackend:
             # are copied once where they are into memory the worker allocated; the
             # others are kept as they are.
             held = self.client.compute(list(P.to_delayed().ravel()))
-            self.blocks = [self.client.submit(_aligned, f, key=f"kmeans-p-{self.token}-{j}")
+            self.blocks = [self.client.submit(_held_rows, f, key=f"kmeans-p-{self.token}-{j}")
                            for j, f in enumerate(held)]
             del held
         else:
@@ -695,6 +719,20 @@ class _DaskBackend:
 
     def close(self) -> None:
         self.blocks = None
+
+
+def _held_rows(x):
+    """A chunk of P as the passes keep it: itself if contiguous or a block of rows of a
+    Fortran-ordered matrix (a factorization's P), aligned; else :func:`_aligned`'s copy.
+
+    The passes copy their row blocks into C order themselves (:func:`_row_blocks`),
+    so a Fortran-ordered chunk costs no copy of the whole chunk here.
+    """
+    if (isinstance(x, np.ndarray) and x.ndim == 2 and x.strides[0] == x.itemsize
+            and x.ctypes.data % 16 == 0 and x.strides[1] % 16 == 0
+            and x.strides[1] >= x.shape[0] * x.itemsize):
+        return x
+    return _aligned(x)
 
 
 def _check_fits(client, P, limits: list[int] | None = None) -> None:

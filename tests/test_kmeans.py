@@ -441,3 +441,38 @@ def test_kmeans_parallel_draws_of_groups_come_back_in_chunk_order():
     # The runs' sums over the chunks, grouped or not, and 0 where nothing is left to draw.
     chunks = [[1e16, 0.0], [1.0, 0.0], [-1e16, 0.0]]
     assert _phi_totals(chunks) == _phi_totals([[chunks[0], chunks[2]], [chunks[1]]]) == [1.0, 0.0]
+
+
+def test_a_fortran_ordered_p_gives_the_c_ordered_result_bit_for_bit():
+    """A factorization's P is Fortran-ordered: the passes copy each row block into C order,
+    so every product sees the same operands whichever order P has."""
+    # 150 columns: BLAS rounds a Fortran-ordered block's products differently here.
+    P = np.asfortranarray(np.random.default_rng(0).normal(size=(20000, 150)))
+    kw = {"random_state": 0, "n_init": 2}
+    f = kmeans(P, 5, **kw)
+    c = kmeans(np.ascontiguousarray(P), 5, **kw)
+    assert_array_equal(f.labels, c.labels)
+    assert_array_equal(f.cluster_centers, c.cluster_centers)
+    assert f.inertia == c.inertia and f.inertias == c.inertias
+
+
+def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
+    """The dask backend keeps P's input chunks as the factorization hands them over (views
+    of its Fortran-ordered buffer); a chunk that is neither is copied as before."""
+    from dkicf._kmeans_tasks import _held_rows, _row_blocks, _take_rows
+
+    buf = np.asfortranarray(np.arange(4000.0).reshape(400, 10))
+    rows = buf[100:300, :8]  # rows of a Fortran matrix, not contiguous
+    assert not rows.flags.c_contiguous and not rows.flags.f_contiguous
+    assert _held_rows(rows) is rows
+    odd = np.arange(4000.0).reshape(400, 10)[:, :8]  # C-ordered, not contiguous
+    kept = _held_rows(odd)
+    assert kept is not odd and kept.flags.c_contiguous
+    assert_array_equal(kept, odd)
+    # The passes and the row fetches read it as C-ordered float64 rows.
+    blocks = [x.copy() for _, _, x in _row_blocks(rows, 0, 4, True)]
+    assert all(b.flags.c_contiguous for b in blocks)
+    assert_array_equal(np.concatenate(blocks), rows)
+    taken = _take_rows(rows, np.array([5, 0, 199]))
+    assert taken.flags.c_contiguous
+    assert_array_equal(taken, rows[[5, 0, 199]])
