@@ -613,14 +613,12 @@ class DaskBackend:
         if take is None:
             return fetched
         out = []
-        for k, got in enumerate(fetched):
-            if got is None:
-                out.append(None)
-                continue
-            whole = np.empty((index.shape[0], *got.shape[1:]), dtype=got.dtype)
-            whole[~have] = got
-            whole[have] = np.concatenate([p[k + 1] for p in parts])[take]
-            out.append(whole)
+        for got, held in zip(fetched, _taken(parts, take)):
+            if got is not None:
+                whole = np.empty((index.shape[0], *got.shape[1:]), dtype=got.dtype)
+                whole[~have], whole[have] = got, held
+                got = whole
+            out.append(got)
         return tuple(out)
 
     def _fetch_rows(self, index: np.ndarray):
@@ -654,11 +652,7 @@ class DaskBackend:
         have, take = _match_rows(parts, index)
         if take is None or not have.all():
             return None
-        xr = np.concatenate([p[1] for p in parts])[take]
-        aux = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])[take]
-        pr = np.concatenate([p[3] for p in parts])[take]
-        er = np.concatenate([p[4] for p in parts])[take]
-        return xr, aux, pr, er
+        return _taken(parts, take)
 
     def apply(
         self, block: PivotBlock, history: History, m: int = 1, stash: int = 0,
@@ -956,6 +950,13 @@ def _match_rows(parts: list | None, index: np.ndarray):
     pos = np.minimum(np.searchsorted(where[order], index), where.shape[0] - 1)
     have = where[order][pos] == index
     return have, (order[pos[have]] if have.any() else None)
+
+
+def _taken(parts: list, take: np.ndarray) -> tuple:
+    """``(x, aux, p, e)`` rows at positions ``take`` of the concatenated ``parts``
+    (:func:`_match_rows`); aux None where the kernel has none."""
+    return tuple(None if parts[0][k] is None else np.concatenate([p[k] for p in parts])[take]
+                 for k in range(1, 5))
 
 
 def _top_share(count: int, rows: int, n: int) -> int:

@@ -82,6 +82,17 @@ _STREAM_BYTES = 32 << 20
 _TASK_MODULES = ("dkicf._chunk", "dkicf._candidates", "dkicf.io", "dkicf._kmeans_tasks", "zarr")
 
 
+def import_task_modules() -> None:
+    """Import what a fit's tasks import on a worker (those that are installed)."""
+    import importlib
+
+    for name in _TASK_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # pragma: no cover - a worker without an optional module
+            pass
+
+
 _THRESHOLDS = ("target", "spill", "pause", "terminate")
 
 
@@ -99,16 +110,10 @@ def _probe(dask_worker=None) -> dict:
     ``fraction``: the smallest of the worker's target, spill and pause
     fractions and of the terminate fraction in its configuration.
     """
-    import importlib
-
     import dask
     import psutil
 
-    for name in _TASK_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # pragma: no cover - a worker without an optional module
-            pass
+    import_task_modules()
     rss = psutil.Process().memory_info().rss
     managed = getattr(getattr(dask_worker, "state", None), "nbytes", 0)
     manager = getattr(dask_worker, "memory_manager", None)

@@ -48,15 +48,9 @@ class _OwnErrorsFilter(logging.Filter):
 
 def _import_task_modules() -> None:
     """Import what a fit's tasks import (zarr, dkicf's chunk and k-means tasks)."""
-    import importlib
+    from ._memory import import_task_modules
 
-    from ._memory import _TASK_MODULES
-
-    for name in _TASK_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # pragma: no cover - a worker without an optional module
-            pass
+    import_task_modules()
 
 
 def dask_setup(worker) -> None:
