@@ -105,6 +105,23 @@ def _take_rows(p, local: np.ndarray) -> np.ndarray:
     return np.asarray(p[local], dtype=np.float64).reshape(len(local), p.shape[1])
 
 
+def _copy_rows(dst: np.ndarray, src) -> None:
+    """``dst[...] = src`` into a C-ordered ``dst``, a column-major ``src`` a few columns at a time.
+
+    Copied whole, each row of a column-major block reads one element from
+    every column, each in a page of its own: with more columns than the
+    processor keeps page translations for, every row misses them all.  A
+    group of columns that fills a cache line of ``dst`` per row keeps both
+    the pages and the lines at hand (about 1.5x faster on a 150-column P).
+    """
+    if isinstance(src, np.ndarray) and src.ndim == 2 and src.strides[0] < src.strides[1]:
+        width = max(1, 64 // dst.itemsize)
+        for j in range(0, src.shape[1], width):
+            np.copyto(dst[:, j:j + width], src[:, j:j + width], casting="same_kind")
+    else:
+        np.copyto(dst, src, casting="same_kind")
+
+
 def _row_blocks(p, offset: int, width: int, check: bool):
     """``(lo, hi, rows)`` of a chunk in blocks that keep the kernels' working set small.
 
@@ -130,7 +147,7 @@ def _row_blocks(p, offset: int, width: int, check: bool):
             x = p[lo:hi]
         else:
             x = scratch("kmeans-rows", (hi - lo, p.shape[1]))
-            np.copyto(x, p[lo:hi], casting="same_kind")
+            _copy_rows(x, p[lo:hi])
         if check:
             _check_finite(x, offset + lo)
         yield lo, hi, x

@@ -456,6 +456,22 @@ def test_a_fortran_ordered_p_gives_the_c_ordered_result_bit_for_bit():
     assert f.inertia == c.inertia and f.inertias == c.inertias
 
 
+def test_rows_are_copied_into_c_order_exactly_whatever_the_source_layout():
+    """The passes' block copy (a column-major source goes a few columns at a time) gives
+    the same values as a plain copy: every column, a partial last group, float32 widened."""
+    from dkicf._kmeans_tasks import _copy_rows
+
+    rng = np.random.default_rng(3)
+    for cols in (1, 8, 21):
+        base = rng.normal(size=(300, cols + 3))
+        for src in (np.asfortranarray(base)[50:250, 1:cols + 1],  # rows of a Fortran matrix
+                    np.asfortranarray(base.astype(np.float32))[:, :cols],
+                    base[:200, :cols]):  # C-ordered rows
+            dst = np.full(src.shape, np.nan)
+            _copy_rows(dst, src)
+            assert_array_equal(dst, src.astype(np.float64))
+
+
 def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     """The dask backend keeps P's input chunks as the factorization hands them over (views
     of its Fortran-ordered buffer); a chunk that is neither is copied as before."""
