@@ -213,18 +213,26 @@ def _minibatch_step(x, centers, counts, rng, reseed: bool):
     return new, float(d2.sum())
 
 
-def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0) -> deque:
+def _batches_per_fetch(cfg: _Config, s: int) -> int:
+    """Mini-batch steps whose rows one fetch brings (within the prefetch budget)."""
+    return max(1, min(_PREFETCH_ROWS, _PREFETCH_BYTES // (8 * s)) // cfg.batch_size)
+
+
+def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0,
+                   out: np.ndarray | None = None) -> deque:
     """Draw the row indices of ``m`` batches; fetch the rows of all but the first ``skip``.
 
     One draw per step, so the batches do not depend on how many are fetched
     at once; a resumed run redraws a whole fetch to leave the generator where
     the uninterrupted run left it, and fetches only the batches still to come.
+    ``out``: rows for at least the fetch, reused from fetch to fetch (the
+    batches returned are views of it, valid until the next fetch).
     """
     index = np.concatenate([batch_rng.integers(0, backend.n, size=b) for _ in range(m)])
     if skip >= m:
         return deque()
     index = index[skip * b:]
-    rows = backend.rows(index)
+    rows = backend.rows(index, None if out is None else out[:index.shape[0]])
     _check_finite(rows, index)
     return deque(np.split(rows, m - skip))
 
@@ -234,7 +242,10 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
     n, s = backend.n, backend.s
     k, b = cfg.n_clusters, cfg.batch_size
     alpha = min(1.0, 2.0 * b / (n + 1))
-    per_fetch = max(1, min(_PREFETCH_ROWS, _PREFETCH_BYTES // (8 * s)) // b)
+    per_fetch = _batches_per_fetch(cfg, s)
+    # The rows of a fetch, in one array for all of them: each fetch's own array
+    # (over 32 MiB, so mapped and faulted in afresh) cost as much as the transfer.
+    buffer = np.empty((per_fetch * b, s))
     if saved is None:
         first, counts = 1, np.zeros(k)
         ewa = ewa_min = None
@@ -247,7 +258,8 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
         fetch = saved["fetch"]
         batch_rng.bit_generator.state = fetch["rng"]
         pos.at("minibatch", first, (first, fetch["step"] + fetch["m"] - 1))
-        queue = _fetch_batches(backend, batch_rng, fetch["m"], b, skip=first - fetch["step"])
+        queue = _fetch_batches(backend, batch_rng, fetch["m"], b, skip=first - fetch["step"],
+                               out=buffer)
         reseed_rng.bit_generator.state = saved["reseed_rng"]
     stop = "max_iter"
     for step in range(first, cfg.max_iter + 1):
@@ -255,7 +267,7 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
             m = min(per_fetch, cfg.max_iter - step + 1)
             fetch = {"step": step, "m": m, "rng": batch_rng.bit_generator.state}
             pos.at("minibatch", step, (step, step + m - 1))
-            queue = _fetch_batches(backend, batch_rng, m, b)
+            queue = _fetch_batches(backend, batch_rng, m, b, out=buffer)
         x = queue.popleft()
         since_reseed += b
         # Re-seeding starved centres would strip small clusters (their centres

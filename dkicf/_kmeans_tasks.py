@@ -93,16 +93,48 @@ def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(onehot.T @ x)
 
 
-def _take_rows(p, local: np.ndarray) -> np.ndarray:
-    """Rows ``local`` of a chunk as a C-ordered float64 array.
+# Rows gathered at a time into an ``out`` array: their temporary stays a few MiB.
+_GATHER_ROWS = 4096
+
+
+def _take_rows(p, local: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``local`` of a chunk as a C-ordered float64 array (written into ``out`` if given).
 
     A Fortran-ordered chunk (a factorization's P) is read column by column,
     each a contiguous run: fancy indexing its rows would visit every column
-    once per row, several times slower.
+    once per row, several times slower.  With ``out`` the rows go there a
+    few thousand at a time, without a temporary the size of the whole
+    (a fresh large array costs its page faults on every fetch).
     """
-    if isinstance(p, np.ndarray) and p.ndim == 2 and p.strides[0] == p.itemsize:
-        return np.ascontiguousarray(p.T[:, local].T, dtype=np.float64)
-    return np.asarray(p[local], dtype=np.float64).reshape(len(local), p.shape[1])
+    fortran = isinstance(p, np.ndarray) and p.ndim == 2 and p.strides[0] == p.itemsize
+    if out is None:
+        if fortran:
+            return np.ascontiguousarray(p.T[:, local].T, dtype=np.float64)
+        return np.asarray(p[local], dtype=np.float64).reshape(len(local), p.shape[1])
+    for a in range(0, local.shape[0], _GATHER_ROWS):
+        piece = local[a:a + _GATHER_ROWS]
+        out[a:a + piece.shape[0]] = p.T[:, piece].T if fortran else p[piece]
+    return out
+
+
+def _place_rows(parts: list, inverse: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``np.concatenate(parts)[inverse]``, written into ``out`` piece by piece.
+
+    ``parts`` are consecutive row ranges of one array (its unique rows in
+    order) and ``inverse`` maps each wanted row to its row there.  Neither
+    the concatenation nor the result is allocated: the temporaries are a
+    few thousand rows.
+    """
+    where = np.argsort(inverse, kind="stable")
+    ranked = inverse[where]
+    start = 0
+    for part in parts:
+        lo, hi = np.searchsorted(ranked, [start, start + part.shape[0]])
+        for a in range(lo, hi, _GATHER_ROWS):
+            b = min(a + _GATHER_ROWS, hi)
+            out[where[a:b]] = part[ranked[a:b] - start]
+        start += part.shape[0]
+    return out
 
 
 def _copy_rows(dst: np.ndarray, src) -> None:
@@ -435,8 +467,8 @@ class KMeansBackend(ChunkBackend, Protocol):
 
     n: int
 
-    def rows(self, index: np.ndarray) -> np.ndarray:
-        """Rows of P at the global indices ``index``."""
+    def rows(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of P at the global indices ``index`` (float64), written into ``out`` if given."""
 
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         """Per chunk, per set of centres (one per run, all in one read of P): per-centre
@@ -493,8 +525,8 @@ class _NumpyBackend:
                 return [one(j) for j in blocks]
             return list(self.pool.map(one, blocks))
 
-    def rows(self, index: np.ndarray) -> np.ndarray:
-        return _take_rows(self.P, np.asarray(index, dtype=np.int64))
+    def rows(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return _take_rows(self.P, np.asarray(index, dtype=np.int64), out)
 
     # P was checked for NaN and infinity on entry (check_array_2d): check=False.
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
@@ -603,10 +635,13 @@ class _DaskBackend:
         return self.client.map(operator.getitem, futures, [index] * len(futures),
                                key=[f"{f.key}-{suffix}" for f in futures])
 
-    def rows(self, index: np.ndarray) -> np.ndarray:
+    def rows(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         futs, order = self._take(index)
         # Chunks hold contiguous row ranges: in chunk order the parts are in `uniq` order.
-        return np.concatenate(self.client.gather(futs))[order]
+        parts = self.client.gather(futs)
+        if out is None:
+            return np.concatenate(parts)[order]
+        return _place_rows(parts, order, out)
 
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         from dask.base import tokenize

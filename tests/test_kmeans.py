@@ -472,6 +472,28 @@ def test_rows_are_copied_into_c_order_exactly_whatever_the_source_layout():
             assert_array_equal(dst, src.astype(np.float64))
 
 
+def test_fetched_rows_written_into_a_given_array_equal_the_rows_asked_for():
+    """Mini-batch fetches write into one array reused from fetch to fetch: the rows are
+    those of plain indexing, repeats and any order included, from either layout of P and
+    from the parts of several chunks."""
+    from dkicf._kmeans_tasks import _GATHER_ROWS, _place_rows, _take_rows
+
+    rng = np.random.default_rng(5)
+    P = rng.normal(size=(3 * _GATHER_ROWS, 7))
+    index = rng.integers(0, P.shape[0], size=2 * _GATHER_ROWS + 11)  # repeats, unsorted
+    for layout in (np.ascontiguousarray(P), np.asfortranarray(P),
+                   np.asfortranarray(P.astype(np.float32))):
+        out = np.full((index.shape[0], 7), np.nan)
+        assert _take_rows(layout, index, out) is out
+        assert_array_equal(out, layout[index].astype(np.float64))
+    # The dask backend's parts: the unique rows, chunk by chunk, and where each goes.
+    uniq, inverse = np.unique(index, return_inverse=True)
+    parts = np.split(P[uniq], [5, 5, 900])  # an empty part among them
+    out = np.full((index.shape[0], 7), np.nan)
+    assert _place_rows(parts, inverse, out) is out
+    assert_array_equal(out, P[index])
+
+
 def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     """The dask backend keeps P's input chunks as the factorization hands them over (views
     of its Fortran-ordered buffer); a chunk that is neither is copied as before."""
