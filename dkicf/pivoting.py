@@ -918,7 +918,8 @@ class BlockGreedy(PivotRule):
                    "provably come next")
     uses_block_delta = True
     sizing = "top"
-    #: (blocks, their number, single passes ending them, the streak before those)
+    #: (blocks, their number, single passes ending them, the streak before those,
+    #: the run's length if it is known, else 0)
     _memo: tuple | None = None
 
     def request(self, rank, rank_tol):
@@ -937,6 +938,14 @@ class BlockGreedy(PivotRule):
         return self.sizer.count(rank)
 
     def single_pass(self, blocks, n, rank):
+        memo = self._memo
+        grown = (memo is not None and memo[0] is blocks and memo[1] == len(blocks) - 1
+                 and blocks[-1][2] == "single")
+        if grown and memo[4]:
+            # Inside a run whose length is known: one more single pass.
+            since = memo[2] + 1
+            self._memo = (blocks, len(blocks), since, memo[3], memo[4])
+            return since < memo[4]
         if self.block_delta or not blocks:
             return False
         cap = _run_cap(n, self.sizer.count(rank))
@@ -944,16 +953,19 @@ class BlockGreedy(PivotRule):
             return False
         # As _single_pass, kept up to date pass by pass: the streak before a run of
         # single passes does not change while the run grows.
-        memo = self._memo
         if memo is not None and memo[0] is blocks and memo[1] == len(blocks):
             since, streak = memo[2], memo[3]
-        elif (memo is not None and memo[0] is blocks and memo[1] == len(blocks) - 1
-                and blocks[-1][2] == "single"):
+        elif grown:
             since, streak = memo[2] + 1, memo[3]
         else:
             since, start = _singles_run(blocks)
             streak = _streak(blocks, start)
-        self._memo = (blocks, len(blocks), since, streak)
+        # The run's length, when the cap cannot shrink before it ends (fewer
+        # candidates at a higher rank lower it): then the passes only count.
+        limit = min(2 ** (streak - 1), cap) if streak > 0 else 0
+        if limit and _run_cap(n, self.sizer.count(rank + limit)) != cap:
+            limit = 0
+        self._memo = (blocks, len(blocks), since, streak, limit)
         return _run_goes_on(since, streak, cap)
 
 

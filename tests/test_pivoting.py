@@ -499,21 +499,30 @@ def test_single_passes_follow_the_blocks_and_the_cost_of_a_pass():
     assert not _single_pass([one] * 10, 10**6, 4096)
 
 
-def test_the_rule_s_single_pass_answer_kept_pass_by_pass_equals_the_whole_history_s(rng):
-    from dkicf.pivoting import BlockGreedy, _single_pass
+@pytest.mark.parametrize("n, d", [
+    (2000, 4),
+    # Wide rows: fewer candidates fit as the rank grows, and at rank 205 the
+    # cap of a run of single passes falls from 16 to 0, inside a run.
+    (33768, 33350),
+])
+def test_the_rule_s_single_pass_answer_kept_pass_by_pass_equals_the_whole_history_s(
+        rng, n, d):
+    from dkicf.pivoting import BlockGreedy, _run_cap, _single_pass
 
     kinds = [(64, 1, "bound"), (64, 1, "ambiguous"), (64, 1, "cap"), (64, 5, "bound"),
              (0, 1, "single")]
     for trial in range(20):
-        rule = BlockGreedy(capacity=10**6, n=2000, d=4)
-        rule.size_blocks(2000)
+        rule = BlockGreedy(capacity=10**6, n=n, d=d)
+        rule.size_blocks(n)
+        if d > 4:
+            assert _run_cap(n, rule.sizer.count(200)) == 16 > _run_cap(n, rule.sizer.count(210))
         blocks = []
         for step in range(300):
             if trial % 2 and step % 37 == 0:
                 blocks = list(blocks)  # a resumed fit: the same history, a new list
-            want = _single_pass(blocks, 2000, rule.sizer.count(len(blocks)))
-            assert rule.single_pass(blocks, 2000, len(blocks)) == want
-            assert rule.single_pass(blocks, 2000, len(blocks)) == want  # asked twice
+            want = _single_pass(blocks, n, rule.sizer.count(len(blocks)))
+            assert rule.single_pass(blocks, n, len(blocks)) == want
+            assert rule.single_pass(blocks, n, len(blocks)) == want  # asked twice
             if want or rng.random() < 0.2:
                 blocks.append(kinds[-1])
             else:
