@@ -774,8 +774,7 @@ def start_cluster(kind: str = "local", **options):
 
         ``slurm``/``pbs``: ``jobs`` (batch jobs to submit), ``cores`` and
         ``memory`` (per job), ``processes`` (worker processes per job; 1 unless
-        configured),
-        ``walltime``, ``queue``, ``account``, ``interface`` (network for the
+        configured), ``walltime``, ``queue``, ``account``, ``interface`` (network for the
         scheduler and workers, e.g. ``"ib0"``), ``local_directory``,
         ``log_directory``, ``job_script_prologue``, ``job_extra_directives``,
         ``python``, ``dashboard=False``, ``security=True`` and
@@ -859,10 +858,7 @@ def start_cluster(kind: str = "local", **options):
         raise ValueError(f"kind must be one of {list(CLUSTER_KINDS)}, got {kind!r}.")
     client = None
     try:
-        # A local cluster's workers are on this machine: results come straight from
-        # them (k-means batches of rows: about 20% faster than through the
-        # scheduler, which also spends no CPU on them).  Elsewhere the scheduler
-        # may be the only address the driver reaches, as dask assumes.
+        # Local workers hand results straight to the driver (docs/kmeans.md).
         client = Client(cluster, direct_to_workers=kind == "local")
         if watch is not None:
             _wait_for_workers(client, watch, **wait)

@@ -918,8 +918,7 @@ class BlockGreedy(PivotRule):
                    "provably come next")
     uses_block_delta = True
     sizing = "top"
-    #: (blocks, their number, single passes ending them, the streak before those,
-    #: the run's length if it is known, else 0)
+    #: (blocks, their number, single passes ending them, the streak before those, run length or 0)
     _memo: tuple | None = None
 
     def request(self, rank, rank_tol):
@@ -960,8 +959,8 @@ class BlockGreedy(PivotRule):
         else:
             since, start = _singles_run(blocks)
             streak = _streak(blocks, start)
-        # The run's length, when the cap cannot shrink before it ends (fewer
-        # candidates at a higher rank lower it): then the passes only count.
+        # The run's length, when the cap (lower with fewer candidates at a higher rank)
+        # cannot shrink before it ends: then the passes only count.
         limit = min(2 ** (streak - 1), cap) if streak > 0 else 0
         if limit and _run_cap(n, self.sizer.count(rank + limit)) != cap:
             limit = 0
