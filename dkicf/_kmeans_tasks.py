@@ -294,14 +294,25 @@ def _uniform(key: int, index: np.ndarray) -> np.ndarray:
     """Uniform numbers in [0, 1), one per global row index, from a counter-based hash.
 
     SplitMix64 of ``key + index * golden``: a row's number depends on the key
-    and its index only, not on the chunk that holds it.
+    and its index only, not on the chunk that holds it.  Computed in place,
+    with one temporary: in a worker each fresh array of a chunk's length
+    faults in its pages.
     """
+    z = index.astype(np.uint64)
+    t = np.empty_like(z)
     with np.errstate(over="ignore"):
-        z = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        z *= np.uint64(0x9E3779B97F4A7C15)
+        z += np.uint64(key)
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            np.right_shift(z, np.uint64(shift), out=t)
+            z ^= t
+            z *= np.uint64(mult)
+        np.right_shift(z, np.uint64(31), out=t)
+        z ^= t
+    z >>= np.uint64(11)
+    u = z.astype(np.float64)
+    u *= 2.0**-53
+    return u
 
 
 def _chunk_oversample(p, offset: int, states, phis: list, ell: float, keys: list) -> list:
@@ -311,12 +322,14 @@ def _chunk_oversample(p, offset: int, states, phis: list, ell: float, keys: list
     (float64) of each run, in row order.
     """
     out = []
+    index = np.arange(offset, offset + p.shape[0], dtype=np.int64)
     for (d2, _), phi, key in zip(states, phis, keys):
         if not phi > 0:
             out.append(np.empty((0, p.shape[1])))
             continue
-        u = _uniform(key, np.arange(offset, offset + d2.shape[0], dtype=np.int64))
-        local = np.flatnonzero(u * phi < ell * d2)
+        u = _uniform(key, index)
+        u *= phi
+        local = np.flatnonzero(u < ell * d2)
         out.append(_take_rows(p, local))
     return out
 

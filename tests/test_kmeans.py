@@ -456,6 +456,28 @@ def test_a_fortran_ordered_p_gives_the_c_ordered_result_bit_for_bit():
     assert f.inertia == c.inertia and f.inertias == c.inertias
 
 
+def test_k_means_parallel_draws_hash_each_row_index_with_splitmix64():
+    """k-means||'s uniforms: SplitMix64 of ``key + index * golden``, as written out in
+    plain Python integers, so a row's draw does not depend on its chunk."""
+    from dkicf._kmeans_tasks import _uniform
+
+    mask = (1 << 64) - 1
+
+    def splitmix(key, i):
+        z = (i * 0x9E3779B97F4A7C15 + key) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+    index = np.array([0, 1, 2, 12345, 2**40 + 3, 10**15], dtype=np.int64)
+    for key in (0, 7, 2**63 - 25):
+        got = _uniform(key, index)
+        assert got.tolist() == [splitmix(key, int(i)) for i in index]
+        assert_array_equal(_uniform(key, index[3:]), got[3:])  # any chunk of rows
+    u = _uniform(11, np.arange(100_000, dtype=np.int64))
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.005
+
+
 def test_rows_are_copied_into_c_order_exactly_whatever_the_source_layout():
     """The passes' block copy (a column-major source goes a few columns at a time) gives
     the same values as a plain copy: every column, a partial last group, float32 widened."""
