@@ -36,6 +36,11 @@ _PREFETCH_ROWS = 65536
 _PREFETCH_BYTES = 64 << 20
 
 
+# A remote P: the first fetch of as many runs as fit in this budget is brought
+# while k-means|| runs (the driver waits on the workers then).
+_AHEAD_BYTES = 5 * _PREFETCH_BYTES
+
+
 # Restarts whose inertias differ by less than this (relative) are a tie, won by
 # the earlier one: rounding differences between chunkings never pick the run.
 _TIE_RTOL = 1e-12
@@ -218,6 +223,53 @@ def _batches_per_fetch(cfg: _Config, s: int) -> int:
     return max(1, min(_PREFETCH_ROWS, _PREFETCH_BYTES // (8 * s)) // cfg.batch_size)
 
 
+class _FirstFetches:
+    """The rows of each run's first mini-batch fetch, brought by a thread of the driver
+    while the k-means|| passes run (a remote P only; within :data:`_AHEAD_BYTES`).
+
+    They depend on the run's seed only: the batches are drawn here, from the
+    run's own stream, as :func:`_run_minibatch` would draw them, and the
+    run continues the stream where they leave it.  A fetch that failed
+    raises when its run takes it.
+    """
+
+    def __init__(self, backend, cfg: _Config, streams: dict, restarts):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.ahead, self.pool = {}, None
+        if not getattr(backend, "remote", False) or cfg.algorithm == "lloyd":
+            return
+        per = _batches_per_fetch(cfg, backend.s)
+        m, b = min(per, cfg.max_iter), cfg.batch_size
+        count = min(len(restarts), _AHEAD_BYTES // max(1, 8 * per * b * backend.s))
+        if count < 1:
+            return
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dkicf-batches")
+        for restart in list(restarts)[:count]:
+            rng = np.random.default_rng(streams[restart][1])
+            fetch = {"step": 1, "m": m, "rng": rng.bit_generator.state}
+            index = _draw_batches(rng, backend.n, m, b)
+            buffer = np.empty((per * b, backend.s))
+            rows = self.pool.submit(backend.rows, index, buffer[:index.shape[0]])
+            self.ahead[restart] = (fetch, rng.bit_generator.state, index, rows, buffer)
+
+    def take(self, restart: int):
+        """``(fetch, rng state after it, index, future of its rows, buffer)``, or None."""
+        return self.ahead.pop(restart, None)
+
+    def close(self) -> None:
+        """Drop the fetches not taken (a fit that failed or stopped)."""
+        self.ahead.clear()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+
+def _draw_batches(batch_rng, n: int, m: int, b: int) -> np.ndarray:
+    """The row indices of ``m`` batches of ``b``: one draw per step."""
+    return np.concatenate([batch_rng.integers(0, n, size=b) for _ in range(m)])
+
+
 def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0,
                    out: np.ndarray | None = None) -> deque:
     """Draw the row indices of ``m`` batches; fetch the rows of all but the first ``skip``.
@@ -228,7 +280,7 @@ def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0,
     ``out``: rows for at least the fetch, reused from fetch to fetch (the
     batches returned are views of it, valid until the next fetch).
     """
-    index = np.concatenate([batch_rng.integers(0, backend.n, size=b) for _ in range(m)])
+    index = _draw_batches(batch_rng, backend.n, m, b)
     if skip >= m:
         return deque()
     index = index[skip * b:]
@@ -238,19 +290,27 @@ def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0,
 
 
 def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rng, report,
-                   ckpt, saved, pos: _Position):
+                   ckpt, saved, pos: _Position, ahead=None):
     n, s = backend.n, backend.s
     k, b = cfg.n_clusters, cfg.batch_size
     alpha = min(1.0, 2.0 * b / (n + 1))
     per_fetch = _batches_per_fetch(cfg, s)
-    # The rows of a fetch, in one array for all of them: each fetch's own array
-    # (over 32 MiB, so mapped and faulted in afresh) cost as much as the transfer.
-    buffer = np.empty((per_fetch * b, s))
+    if saved is None and ahead is not None:  # the first fetch, brought ahead (_FirstFetches)
+        fetch, state, index, rows, buffer = ahead
+        batch_rng.bit_generator.state = state
+        pos.at("minibatch", 1, (1, fetch["m"]))
+        rows = rows.result()
+        _check_finite(rows, index)
+        queue = deque(np.split(rows, fetch["m"]))
+    else:
+        # The rows of a fetch, in one array for all of them: each fetch's own array
+        # (over 32 MiB, so mapped and faulted in afresh) cost as much as the transfer.
+        buffer, queue = np.empty((per_fetch * b, s)), deque()
     if saved is None:
         first, counts = 1, np.zeros(k)
         ewa = ewa_min = None
         no_improvement = since_reseed = 0
-        fetch, queue = None, deque()
+        fetch = None if ahead is None else fetch
     else:
         first, counts = saved["step"] + 1, np.array(saved["counts"], dtype=np.float64)
         ewa, ewa_min = saved["ewa"], saved["ewa_min"]
@@ -667,6 +727,17 @@ def _first_phases(backend, cfg: _Config, runs: _Runs, saved, report, ckpt,
     init_rngs = {r: np.random.default_rng(streams[r][0]) for r in fresh}
     pos.at("init")
     samples = dict(zip(fresh, _init_samples(backend, cfg, [init_rngs[r] for r in fresh])))
+    ahead = _FirstFetches(backend, cfg, streams, fresh)
+    try:
+        _each_run(backend, cfg, runs, saved, report, ckpt, pos, streams, init_rngs, samples,
+                  candidates, ahead)
+    finally:
+        ahead.close()
+
+
+def _each_run(backend, cfg: _Config, runs: _Runs, saved, report, ckpt, pos: _Position,
+              streams: dict, init_rngs: dict, samples: dict, candidates, ahead) -> None:
+    """The runs of :func:`_first_phases` one after the other: initial centres, mini-batch."""
     for restart in range(runs.restart, cfg.n_init):
         pos.restart, pos.runs = restart, None
         _, batch_ss, reseed_ss = streams[restart]
@@ -685,6 +756,7 @@ def _first_phases(backend, cfg: _Config, runs: _Runs, saved, report, ckpt,
                 backend, centers, cfg, tol_abs, np.random.default_rng(batch_ss),
                 np.random.default_rng(reseed_ss),
                 lambda *a, restart=restart: report(restart, *a), ckpt, saved, pos,
+                ahead=None if saved is not None else ahead.take(restart),
             )
             if cfg.algorithm == "minibatch":
                 run.stop = stop

@@ -479,9 +479,14 @@ class KMeansBackend(ChunkBackend, Protocol):
     """
 
     n: int
+    #: Whether P lives elsewhere (rows travel, and may be fetched ahead while a pass runs).
+    remote: bool
 
     def rows(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows of P at the global indices ``index`` (float64), written into ``out`` if given."""
+        """Rows of P at the global indices ``index`` (float64), written into ``out`` if given.
+
+        May be called from a second thread of the driver while a pass runs.
+        """
 
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         """Per chunk, per set of centres (one per run, all in one read of P): per-centre
@@ -512,6 +517,8 @@ class _NumpyBackend:
     reduced in row order, so the result does not depend on which thread
     finished first.
     """
+
+    remote = False
 
     def __init__(self, P: np.ndarray):
         self.P = P
@@ -588,6 +595,8 @@ class _DaskBackend:
     the same value, and a fit never picks up another fit's tasks, such as
     the erred ones of a fit that failed and whose exception is still held.
     """
+
+    remote = True
 
     def __init__(self, P, client, persist: bool = True, limits: list[int] | None = None):
         import uuid

@@ -258,6 +258,81 @@ def test_numpy_and_dask_agree(km_client, algorithm):
     assert_allclose(inertia, ref.inertia, rtol=1e-12)
 
 
+def _batch_threads() -> list:
+    import threading
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:  # an idle pool's thread ends soon after the pool is shut down
+        alive = [t for t in threading.enumerate() if t.name.startswith("dkicf-batches")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def test_runs_first_batches_come_ahead_on_dask_and_change_nothing(km_client, monkeypatch):
+    """On a remote P each run's first mini-batch fetch is brought by a thread of the
+    driver while k-means|| runs; the fit equals the one that fetches them in turn."""
+    import threading
+
+    from dkicf import _kmeans_runs, _kmeans_tasks
+
+    X = overlapping(sum(UNEVEN))
+    kw = dict(batch_size=50, max_iter=30, random_state=11, n_init=3)
+    monkeypatch.setattr(_kmeans_runs, "_PREFETCH_ROWS", 200)  # fetches of 4 steps: several a run
+    seen = []
+    rows = _kmeans_tasks._DaskBackend.rows
+
+    def spy(self, index, out=None):
+        seen.append(threading.current_thread().name)
+        return rows(self, index, out)
+
+    monkeypatch.setattr(_kmeans_tasks._DaskBackend, "rows", spy)
+    ahead = kmeans(as_dask(X, UNEVEN), 5, client=km_client, **kw)
+    assert sum(name.startswith("dkicf-batches") for name in seen) == 3  # one per run
+    assert not _batch_threads()
+    monkeypatch.setattr(_kmeans_runs, "_AHEAD_BYTES", 0)
+    seen.clear()
+    plain = kmeans(as_dask(X, UNEVEN), 5, client=km_client, **kw)
+    assert seen and not any(name.startswith("dkicf-batches") for name in seen)
+    assert_array_equal(ahead.cluster_centers, plain.cluster_centers)
+    assert ahead.inertias == plain.inertias
+    assert (ahead.n_iter, ahead.n_steps_total) == (plain.n_iter, plain.n_steps_total)
+    assert_array_equal(ahead.labels.compute(), plain.labels.compute())
+    # The numpy backend fetches in turn (its rows are in this process).
+    seen_np = []
+    monkeypatch.setattr(_kmeans_runs, "_AHEAD_BYTES", 1 << 30)
+    monkeypatch.setattr(_kmeans_tasks._NumpyBackend, "rows",
+                        lambda self, index, out=None: seen_np.append(
+                            threading.current_thread().name) or _kmeans_tasks._take_rows(
+                                self.P, np.asarray(index, dtype=np.int64), out))
+    kmeans(X, 5, **kw)
+    assert seen_np and not any(name.startswith("dkicf-batches") for name in seen_np)
+
+
+def test_a_first_fetch_that_failed_raises_when_its_run_takes_it(km_client, monkeypatch):
+    import threading
+
+    from dkicf import _kmeans_tasks
+
+    class Lost(Exception):
+        pass
+
+    rows = _kmeans_tasks._DaskBackend.rows
+
+    def failing(self, index, out=None):
+        if threading.current_thread().name.startswith("dkicf-batches"):
+            raise Lost("the rows did not come")
+        return rows(self, index, out)
+
+    monkeypatch.setattr(_kmeans_tasks._DaskBackend, "rows", failing)
+    X = overlapping(sum(UNEVEN))
+    with pytest.raises(Lost, match="the rows did not come"):
+        kmeans(as_dask(X, UNEVEN), 5, client=km_client, batch_size=50, max_iter=30,
+               random_state=11, n_init=3)
+    assert not _batch_threads()
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_reading_p_from_zarr_each_pass_equals_holding_it(km_client, algorithm, tmp_path):
     """persist=False (P larger than memory) reads P's chunks per task: same result."""
