@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 from dask.utils import parse_bytes
 
-from . import bench, deploy, io, mnist8m
+from . import _cli_signals, bench, deploy, io, mnist8m
 from ._cli_parser import UsageError, kernel_hyperparameters
 from ._config import get
 from .estimator import KernelKMeans, load
@@ -97,6 +97,7 @@ class _Progress:
         self.kind = None
 
     def __call__(self, info) -> None:
+        _cli_signals.raise_pending()  # after every pass and step
         if self.quiet:
             return
         from tqdm.auto import tqdm

@@ -15,11 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
-import threading
 
-from . import __version__
+from . import __version__, _cli_signals
 from ._cli_parser import UsageError, build_parser
 from .errors import DkicfError
 
@@ -57,14 +55,6 @@ def _cli_message(exc: BaseException) -> str:
     for python, flags in _CLI_SPELLING:
         text = text.replace(python, flags)
     return text
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (a batch system's walltime, ``kill``): unwinds like Ctrl-C, cleaning up."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,15 +108,9 @@ def _main(args) -> int:
     )
     if args.verbose and not args.debug:
         logger.setLevel(logging.INFO)
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        # Staged outputs and temporary folders are removed on the way out, as for Ctrl-C.
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+    # SIGTERM unwinds as Ctrl-C does: staged outputs and temporary folders are removed.
+    with _cli_signals.handled():
         return _run(args)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args) -> int:
@@ -143,8 +127,10 @@ def _run(args) -> int:
         # error (answered by the parser above) do not wait for.
         from . import _cli_commands
 
-        return _cli_commands.COMMANDS[args.command](args)
-    except _Terminated:
+        status = _cli_commands.COMMANDS[args.command](args)
+        _cli_signals.raise_pending()  # a Ctrl-C that a finalizer swallowed
+        return status
+    except _cli_signals.Terminated:
         print("dkicf: terminated", file=sys.stderr)
         return 143
     except KeyboardInterrupt:

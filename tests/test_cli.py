@@ -395,6 +395,45 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written left
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_a_finalizer_swallowed_still_stops_the_fit(ring_store, tmp_path,
+                                                                 monkeypatch, capsys):
+    """Python drops an exception raised inside an object's ``__del__`` (a dask future's
+    release, say): a Ctrl-C landing there is raised again after the next pass, and the
+    fit stops as for any Ctrl-C, its staged output removed."""
+    import signal
+
+    from dkicf import _cli_commands
+    from dkicf.cli import main
+
+    class Finalizer:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler raises here, inside __del__
+            self.after = True  # Python prints "Exception ignored" and carries on
+
+    calls = []
+    original = _cli_commands._Progress.__call__
+
+    def progress(self, info):
+        calls.append(type(info).__name__)
+        if len(calls) == 3:
+            Finalizer()  # dropped at once: its __del__ swallows the KeyboardInterrupt
+            calls.append("survived")
+        return original(self, info)
+
+    monkeypatch.setattr(_cli_commands._Progress, "__call__", progress)
+    out = tmp_path / "m.zarr"
+    code = main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--gamma", "16",
+                 "--rank", "60", "--tol", "0", "--pivoting", "greedy", "--out", str(out),
+                 "--quiet"])
+    err = capsys.readouterr().err
+    assert "survived" in calls  # the interrupt did not come out of the finalizer
+    assert code == 130, err
+    assert "dkicf: interrupted" in err
+    assert not out.exists() and not list(tmp_path.glob(".m.zarr.dkicf-tmp-*"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers", ["2", "5"])
 def test_ctrl_c_mid_fit_is_one_line(ring_store, tmp_path, workers):
