@@ -19,7 +19,11 @@ pass), then timed:
 * scikit-learn's ``Nystroem(n_components=s)`` + ``MiniBatchKMeans``
   (k-means++, one initialisation) on the same rows: the one-process
   reference;
-* identical pivots for numpy and every W (asserted).
+* identical pivots for numpy and every W (asserted);
+* where each k-means went (until its first mini-batch step: k-means||; the
+  mini-batch steps; the shared Lloyd passes; the labels' pass) and, on
+  dask, its tasks' worker-seconds, from which the part that does not divide
+  between the workers and a 16-worker time follow.
 
 For each dask run the factorization's passes are split, from the
 scheduler's task stream (start and stop of every task on every worker,
@@ -364,6 +368,31 @@ def _print_profile(prof, label: str, top: int = 25) -> None:
 # ------------------------------------------------------------------ runs
 
 
+class _KMeansClock:
+    """A k-means progress callback that notes when each report came, for
+    :meth:`phases`: where the k-means' wall time goes."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.events: list[tuple[float, str]] = []
+
+    def __call__(self, info) -> None:
+        self.events.append((time.perf_counter() - self.t0, info.phase))
+
+    def phases(self, total: float) -> dict:
+        """Seconds until the first mini-batch step (k-means|| and the first run's start),
+        of the mini-batch steps (all runs, with the later runs' starts), of the shared
+        Lloyd passes, and after the last report (the labels' pass)."""
+        mb = [t for t, phase in self.events if phase == "minibatch"]
+        last = self.events[-1][0] if self.events else 0.0
+        first_mb = mb[0] if mb else 0.0
+        end_mb = mb[-1] if mb else first_mb
+        lloyd = [t for t, phase in self.events if phase == "lloyd"]
+        return {"start": first_mb, "minibatch": end_mb - first_mb,
+                "lloyd": (lloyd[-1] if lloyd else end_mb) - end_mb,
+                "labels": total - last}
+
+
 def run_numpy(X, s: int, gamma: float, k: int, with_kmeans: bool) -> dict:
     from dkicf import incomplete_cholesky, kmeans
 
@@ -372,9 +401,10 @@ def run_numpy(X, s: int, gamma: float, k: int, with_kmeans: bool) -> dict:
     t_icf = time.perf_counter() - t0
     out = {"icf": t_icf, "pivots": res.pivots, "passes": res.n_passes}
     if with_kmeans:
-        t0 = time.perf_counter()
-        km = kmeans(res.P, k, random_state=0)
-        out["kmeans"] = time.perf_counter() - t0
+        clock = _KMeansClock()
+        km = kmeans(res.P, k, random_state=0, progress=clock)
+        out["kmeans"] = time.perf_counter() - clock.t0
+        out["kmeans_phases"] = clock.phases(out["kmeans"])
         out["labels"] = np.asarray(km.labels)
     return out
 
@@ -410,6 +440,25 @@ class _CpuClock:
             role = self.roles.get(pid, "other")
             used[role] = used.get(role, 0.0) + t - self.before.get(pid, t)
         return used
+
+
+def say_kmeans_phases(rows: dict) -> None:
+    """Where each run's k-means went, and (dask) the tasks' worker-seconds: what divides
+    between the workers, against what stays on the driver."""
+    for name, r in rows.items():
+        ph = r.get("kmeans_phases")
+        if ph is None:
+            continue
+        line = (f"  k-means phases, {name}: until the first mini-batch step (k-means||) "
+                f"{ph['start']:.2f} s, mini-batch steps {ph['minibatch']:.2f} s, Lloyd passes "
+                f"{ph['lloyd']:.2f} s, labels {ph['labels']:.2f} s")
+        if "worker_s" in ph and name.startswith("W="):
+            W = int(name[2:].split()[0])
+            serial = max(0.0, r["kmeans"] - ph["worker_s"] / W)
+            line += (f"; tasks {ph['worker_s']:.2f} worker-seconds, so about "
+                     f"{serial:.2f} s not divided between the workers; T(16) ~ "
+                     f"{serial + ph['worker_s'] / 16:.2f} s")
+        say(line)
 
 
 def say_cpu(used: dict, wall: float, W: int) -> None:
@@ -454,9 +503,14 @@ def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_wo
             out["breakdown"] = breakdown(ts.data, clock.events, W, t_start, t_end, incoming,
                                          X.name)
         if with_kmeans:
-            t0 = time.perf_counter()
-            km = kmeans(res.P, k, random_state=0, client=client)
-            out["kmeans"] = time.perf_counter() - t0
+            with get_task_stream(client) as kts:
+                clock = _KMeansClock()
+                km = kmeans(res.P, k, random_state=0, client=client, progress=clock)
+                out["kmeans"] = time.perf_counter() - clock.t0
+            out["kmeans_phases"] = clock.phases(out["kmeans"])
+            out["kmeans_phases"]["worker_s"] = sum(
+                ss["stop"] - ss["start"] for rec in kts.data
+                for ss in rec.get("startstops", ()) if ss["action"] == "compute")
             out["labels"] = np.asarray(km.labels.compute())
         del res, X
         return out
@@ -530,6 +584,7 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
             f"{eff:5.2f} {r.get('passes', ''):>6} {a:5.2f} {piv}")
     assert all(same.values()), f"pivots differ between runs: {same}"
     say(f"  pivots identical across {', '.join(same)}: yes")
+    say_kmeans_phases(rows)
     if len(workers) >= 2:
         ws = np.array(workers, dtype=float)
         ts = np.array([rows[f"W={w}"]["icf"] for w in workers])
