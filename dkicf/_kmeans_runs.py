@@ -284,9 +284,14 @@ def _fetch_batches(backend, batch_rng, m: int, b: int, skip: int = 0,
     if skip >= m:
         return deque()
     index = index[skip * b:]
-    rows = backend.rows(index, None if out is None else out[:index.shape[0]])
+    return _batch_queue(backend.rows(index, None if out is None else out[:index.shape[0]]),
+                        index, m - skip)
+
+
+def _batch_queue(rows: np.ndarray, index: np.ndarray, m: int) -> deque:
+    """The fetched ``rows`` (at ``index``), checked, as a queue of ``m`` batches."""
     _check_finite(rows, index)
-    return deque(np.split(rows, m - skip))
+    return deque(np.split(rows, m))
 
 
 def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rng, report,
@@ -295,22 +300,20 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
     k, b = cfg.n_clusters, cfg.batch_size
     alpha = min(1.0, 2.0 * b / (n + 1))
     per_fetch = _batches_per_fetch(cfg, s)
+    fetch, queue = None, deque()
     if saved is None and ahead is not None:  # the first fetch, brought ahead (_FirstFetches)
         fetch, state, index, rows, buffer = ahead
         batch_rng.bit_generator.state = state
         pos.at("minibatch", 1, (1, fetch["m"]))
-        rows = rows.result()
-        _check_finite(rows, index)
-        queue = deque(np.split(rows, fetch["m"]))
+        queue = _batch_queue(rows.result(), index, fetch["m"])
     else:
         # The rows of a fetch, in one array for all of them: each fetch's own array
         # (over 32 MiB, so mapped and faulted in afresh) cost as much as the transfer.
-        buffer, queue = np.empty((per_fetch * b, s)), deque()
+        buffer = np.empty((per_fetch * b, s))
     if saved is None:
         first, counts = 1, np.zeros(k)
         ewa = ewa_min = None
         no_improvement = since_reseed = 0
-        fetch = None if ahead is None else fetch
     else:
         first, counts = saved["step"] + 1, np.array(saved["counts"], dtype=np.float64)
         ewa, ewa_min = saved["ewa"], saved["ewa_min"]
