@@ -443,8 +443,9 @@ def _lloyd_update(backend, run: _Run, parts: list, cfg: _Config, it: int, report
 def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Position) -> None:
     """The Lloyd iterations of every run in the same passes over P, then their measurement.
 
-    Each pass reads P once for all the runs still iterating (each with its
-    own matrix products, so a run's arithmetic is what it would be alone)
+    Each pass reads P once for all the runs still iterating (one matrix
+    product for all their centres: a run's distances are what they would be
+    alone up to rounding, its sums add the same rows in the same order)
     and for the runs that stopped without a measure of their final centres,
     whose inertia and counts that pass gives.  A run that stops leaves the
     passes; they end when every run has stopped and been measured.
