@@ -442,6 +442,24 @@ class _CpuClock:
         return used
 
 
+# The k-means' tasks by what they do, from their keys' names (first match).
+_KMEANS_KINDS = (("-update-", "k-means|| updates"), ("-draw-", "k-means|| draws"),
+                 ("kmeans-rows", "row fetches"), ("kmeans-lloyd", "Lloyd"),
+                 ("kmeans-assign", "labels"))
+
+
+def kmeans_task_kinds(records: list) -> dict:
+    """Worker-seconds of a k-means's tasks by kind (see ``_KMEANS_KINDS``), from a task stream."""
+    kinds: dict = {}
+    for rec in records:
+        key = rec["key"][0] if isinstance(rec["key"], tuple) else rec["key"]
+        kind = next((label for part, label in _KMEANS_KINDS if part in str(key)), "other")
+        for ss in rec.get("startstops", ()):
+            if ss["action"] == "compute":
+                kinds[kind] = kinds.get(kind, 0.0) + ss["stop"] - ss["start"]
+    return kinds
+
+
 def say_kmeans_phases(rows: dict) -> None:
     """Where each run's k-means went, and (dask) the tasks' worker-seconds: what divides
     between the workers, against what stays on the driver."""
@@ -459,6 +477,10 @@ def say_kmeans_phases(rows: dict) -> None:
                      f"{serial:.2f} s not divided between the workers; T(16) ~ "
                      f"{serial + ph['worker_s'] / 16:.2f} s")
         say(line)
+        if ph.get("kinds"):
+            order = [label for _, label in _KMEANS_KINDS] + ["other"]
+            say(f"    its tasks by kind, worker-seconds: " + ", ".join(
+                f"{label} {ph['kinds'][label]:.2f}" for label in order if label in ph["kinds"]))
 
 
 def say_cpu(used: dict, wall: float, W: int) -> None:
@@ -508,9 +530,9 @@ def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_wo
                 km = kmeans(res.P, k, random_state=0, client=client, progress=clock)
                 out["kmeans"] = time.perf_counter() - clock.t0
             out["kmeans_phases"] = clock.phases(out["kmeans"])
-            out["kmeans_phases"]["worker_s"] = sum(
-                ss["stop"] - ss["start"] for rec in kts.data
-                for ss in rec.get("startstops", ()) if ss["action"] == "compute")
+            kinds = kmeans_task_kinds(kts.data)
+            out["kmeans_phases"]["worker_s"] = sum(kinds.values())
+            out["kmeans_phases"]["kinds"] = kinds
             out["labels"] = np.asarray(km.labels.compute())
         del res, X
         return out
