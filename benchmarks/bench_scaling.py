@@ -479,7 +479,7 @@ def say_kmeans_phases(rows: dict) -> None:
         say(line)
         if ph.get("kinds"):
             order = [label for _, label in _KMEANS_KINDS] + ["other"]
-            say(f"    its tasks by kind, worker-seconds: " + ", ".join(
+            say("    its tasks by kind, worker-seconds: " + ", ".join(
                 f"{label} {ph['kinds'][label]:.2f}" for label in order if label in ph["kinds"]))
 
 

@@ -58,13 +58,17 @@ def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
     )
 
 
-def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None, cross=None):
+def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None, cross=None,
+             width: int | None = None):
     """Nearest centre of each row (ties to the lowest index) and the squared distance to it.
 
     ``||x||^2 - 2 x.c + ||c||^2`` in float64, clamped at 0 (rounding can make a
     point at a centre slightly negative).  ``x_sq``: the rows' ``||x||^2``, when
     the caller already has them; ``cross``: the products ``x.c``, when the
-    caller computed them (k-means|| does, in float32).
+    caller computed them (k-means|| does, in float32).  ``width``: the
+    centres are consecutive groups of ``width`` (several runs' centres side
+    by side, in one product); the labels (within each group) and distances
+    are then ``(rows, groups)``.
     """
     # This thread's scratch block: a fresh one would fault in new pages in a worker.
     d = scratch("kmeans-distances", (x.shape[0], centers.shape[0]))
@@ -75,8 +79,13 @@ def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None, cr
     d *= -2.0
     d += c_sq
     d += (np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq)[:, None]
-    labels = np.argmin(d, axis=1).astype(np.int64, copy=False)
-    d2 = d[np.arange(x.shape[0]), labels]
+    if width is not None:
+        d = d.reshape(x.shape[0], -1, width)
+        labels = np.argmin(d, axis=2)
+        d2 = np.take_along_axis(d, labels[:, :, None], axis=2)[:, :, 0]
+    else:
+        labels = np.argmin(d, axis=1).astype(np.int64, copy=False)
+        d2 = d[np.arange(x.shape[0]), labels]
     np.maximum(d2, 0.0, out=d2)
     return labels, d2
 
@@ -92,7 +101,7 @@ def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     dimension) that BLAS handles badly.
     """
     m = x.shape[0]
-    per = labels.size // max(m, 1) if m else 1
+    per = labels.size // m if m else 1
     onehot = sparse.csr_matrix((np.ones(m * per), labels.reshape(-1),
                                 np.arange(0, m * per + 1, per)), shape=(m, k))
     return np.asarray(onehot.T @ x)
@@ -215,16 +224,7 @@ def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
     sums = np.zeros((runs * width, s)) if with_sums else None
     first = np.arange(0, runs * width, width)
     for lo, hi, x in _row_blocks(p, offset, runs * width, check):
-        # This thread's scratch block: a fresh one would fault in new pages in a worker.
-        d = scratch("kmeans-distances", (hi - lo, runs * width))
-        np.matmul(x, C.T, out=d)
-        d *= -2.0
-        d += c_sq
-        d += np.einsum("ij,ij->i", x, x)[:, None]
-        d = d.reshape(hi - lo, runs, width)
-        near = np.argmin(d, axis=2)  # ties to the lowest index, as _nearest
-        dist = np.take_along_axis(d, near[:, :, None], axis=2)[:, :, 0]
-        np.maximum(dist, 0.0, out=dist)
+        near, dist = _nearest(x, C, c_sq, width=width)
         labels[:, lo:hi] = near.T
         d2[:, lo:hi] = dist.T
         if with_sums:
