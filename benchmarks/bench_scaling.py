@@ -54,7 +54,10 @@ n = 2e6; the driver's time per pass at n = 5e5 against 4e6.
 
 ``--near-identity`` times block greedy against greedy on scikit-learn's
 digits at gamma 2**-6 (blocks of one pivot: block greedy falls back to
-greedy passes); ``--targets`` prints it too.
+greedy passes); ``--targets`` prints it too.  ``--small-data`` times both
+rules on the paper's datasets (those found locally, at most 20,000 rows,
+the paper's gamma, s = 100 and 500, numpy backend): block greedy is never
+to be slower, and the pivots must be identical.
 
 ``--quick`` is the many-core plan: n = 2e6 with W = 1, 2, 4, 8, 16 (those
 the machine has), then n = 8e6 with the largest W, each with numpy and
@@ -63,6 +66,7 @@ printed is also written to ``$OUT/scaling.txt``, line by line.
 
 Run: python benchmarks/bench_scaling.py [--n 1000000] [--s 150] [--workers 1 2]
      python benchmarks/bench_scaling.py --targets
+     python benchmarks/bench_scaling.py --near-identity --small-data
      python benchmarks/bench_scaling.py --quick
 """
 
@@ -662,6 +666,40 @@ def near_identity(repeats: int = 7) -> None:
     assert same, "block greedy's pivots differ from greedy's"
 
 
+def small_data(repeats: int = 3, rows: int = 20_000, ranks=(100, 500)) -> None:
+    """Block greedy against greedy on the paper's datasets found locally (numpy backend):
+    seconds (best of ``repeats``, the rules taking turns), passes, identical pivots."""
+    import warnings
+
+    from dkicf import incomplete_cholesky
+    from dkicf.datasets import DATASETS, PAPER_GAMMA, load_dataset
+
+    say(f"\n== block greedy against greedy on the paper's datasets (first {rows:,} rows, "
+        f"paper's gamma, numpy backend, best of {repeats})")
+    for name in DATASETS:
+        try:
+            X = load_dataset(name, download=False)[0][:rows].astype(np.float64)
+        except (FileNotFoundError, OSError) as exc:
+            say(f"  {name}: skipped ({str(exc).splitlines()[0][:70]})")
+            continue
+        for s in ranks:
+            best, runs = {}, {}
+            for _ in range(repeats):
+                for rule in ("greedy", "block-greedy"):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        t0 = time.perf_counter()
+                        runs[rule] = incomplete_cholesky(X, gamma=PAPER_GAMMA[name], max_rank=s,
+                                                         tol=0.0, pivoting=rule)
+                        best[rule] = min(best.get(rule, math.inf), time.perf_counter() - t0)
+            same = np.array_equal(runs["greedy"].pivots, runs["block-greedy"].pivots)
+            say(f"  {name:<9} {X.shape[0]:>6} x {X.shape[1]:<3} s = {s:<4} greedy "
+                f"{best['greedy'] * 1e3:7.1f} ms, block greedy {best['block-greedy'] * 1e3:7.1f} ms"
+                f" ({runs['block-greedy'].n_passes} passes): "
+                f"{best['block-greedy'] / best['greedy']:.2f}x; pivots identical: {same}")
+            assert same, f"block greedy's pivots differ from greedy's on {name}"
+
+
 def numpy_cores(n: int, s: int, d: int, gamma: float, cores: int, repeats: int = 3) -> float:
     """A reference for the workers' speed-up: the numpy backend (no dask, no cluster)
     on one core against ``cores`` cores, on the same rows.
@@ -780,6 +818,8 @@ def main(argv=None) -> None:
     p.add_argument("--targets", action="store_true", help="the issue's 2-core targets")
     p.add_argument("--near-identity", action="store_true",
                    help="only block greedy against greedy on a near-identity kernel")
+    p.add_argument("--small-data", action="store_true",
+                   help="only block greedy against greedy on the paper's datasets")
     p.add_argument("--quick", action="store_true",
                    help="n = 2e6 with W = 1, 2, 4, 8, 16, then n = 8e6 with the largest W")
     p.add_argument("--prefault-gb", type=float, default=None,
@@ -788,7 +828,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     C = cores()
     say(f"bench_scaling: {C} cores, python {sys.version.split()[0]}, {_version()}")
-    if args.near_identity:
+    if args.near_identity or args.small_data:
         args.prefault_gb = 0.0
     if args.prefault_gb is None:
         import psutil
@@ -803,8 +843,11 @@ def main(argv=None) -> None:
     default_w = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= C]
     t_run = time.perf_counter()
     try:
-        if args.near_identity:
-            near_identity()
+        if args.near_identity or args.small_data:
+            if args.near_identity:
+                near_identity()
+            if args.small_data:
+                small_data()
         elif args.targets:
             targets(args.s, args.d, args.gamma, args.chunks_per_worker, args.placement)
             near_identity()

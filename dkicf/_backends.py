@@ -130,11 +130,17 @@ class NumpyBackend:
         self.n_threads = n_threads or _cpu_count()
         self._pool = None
         self._limiter = None
+        if self.n_threads > 1:
+            # One BLAS thread per pass thread; also with no pool (a few thousand
+            # rows, one thread): BLAS's own threads then cost more than they save
+            # on products this small.  On a 2-core VM they made block passes over
+            # 6,435 rows 5-20 times slower (a woken thread waits for a core), and
+            # block greedy 3x slower than greedy there (satimage, s = 100).
+            self._limiter = threadpool_limits(1)
         if self.n_threads > 1 and self.n > _chunk.ROW_BLOCK:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self.n_threads, thread_name_prefix="dkicf")
-            self._limiter = threadpool_limits(1)
         # One pivot per pass: large tasks (little scheduling per pass).  A
         # block per pass: long passes, smaller tasks that stay in cache.
         self.bounds = _even_bounds(self.n, self._BLOCK_ROWS, self.n_threads)
@@ -142,6 +148,13 @@ class NumpyBackend:
         # One range per thread for the candidate statistics: each returns its
         # own candidates, which the driver merges.
         self.thread_bounds = _even_bounds(self.n, -(-self.n // self.n_threads), self.n_threads)
+        try:
+            self._init_state(kernel, capacity, restore, checked)
+        except BaseException:
+            self.close()  # the pool's threads and the process's BLAS threads as they were
+            raise
+
+    def _init_state(self, kernel, capacity, restore, checked) -> None:
         if restore is None:
             # The O(n) set-up (checks, kernel diagonal, first touch of P's
             # memory) on the pool's threads: serial, it took as long as
@@ -233,8 +246,10 @@ class NumpyBackend:
     def close(self):
         if self._pool is not None:
             self._pool.shutdown()
-            self._limiter.restore_original_limits()
             self._pool = None
+        if self._limiter is not None:
+            self._limiter.restore_original_limits()
+            self._limiter = None
 
 
 def _even_bounds(n: int, rows: int, n_threads: int, align: int = 256) -> list[tuple[int, int]]:

@@ -416,6 +416,37 @@ def test_numpy_thread_count_changes_nothing_but_rounding(pivoting, rng, monkeypa
         np.testing.assert_allclose(other.residual, runs[0].residual, rtol=0, atol=1e-14)
 
 
+@pytest.mark.parametrize("n", [600, 2 * 8192 + 10])  # no thread pool, and one
+def test_numpy_passes_run_one_blas_thread_and_restore_the_limit(n, rng, monkeypatch):
+    """With more than one core, BLAS runs one thread during a numpy fit (also for a few
+    thousand rows, where no pool runs: its own threads made block passes many times
+    slower), and the process's limit is back afterwards, also when the set-up fails."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from dkicf import _backends, _chunk
+
+    def blas_threads():
+        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+    monkeypatch.setattr(_backends, "_cpu_count", lambda: 2)
+    X = rng.normal(size=(n, 3))
+    seen = []
+    with threadpool_limits(2, user_api="blas"):
+        for rule in ("greedy", "block-greedy"):
+            incomplete_cholesky(X, gamma=0.5, max_rank=8, tol=0, pivoting=rule,
+                                progress=lambda p: seen.append(blas_threads()))
+            assert blas_threads() == {2}
+        assert seen and all(s == {1} for s in seen)
+
+        def failing(*a, **k):
+            raise MemoryError("no room for P")
+
+        monkeypatch.setattr(_chunk, "chunk_init", failing)
+        with pytest.raises(MemoryError, match="no room for P"):
+            incomplete_cholesky(X, gamma=0.5, max_rank=8)
+        assert blas_threads() == {2}
+
+
 def test_even_bounds_cover_the_rows_in_equal_shares():
     from dkicf._backends import _even_bounds
 
