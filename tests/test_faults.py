@@ -335,8 +335,42 @@ def killer_in_task(fn, *args):
     return fn(*args)
 
 
+def both_workers(client, timeout: float = 60) -> None:
+    """Wait until both workers are back from the kills of the tests before, their
+    nannies done starting them.
+
+    A worker killed while its nanny is still starting it (between its
+    registration and the nanny's start returning: a test's kill, or a
+    killing task retried on it as soon as it registers) can leave the nanny
+    without a worker for good.  Under load that left this module one worker.
+    So this waits for the nannies too, and after a third of ``timeout``
+    restarts a nanny's worker that is not alive and replaces a nanny the
+    cluster has closed meanwhile.
+    """
+    from distributed.core import Status
+
+    cluster = client.cluster
+
+    def ready():
+        return len(client.scheduler_info()["workers"]) == 2 and all(
+            nanny.process is not None and nanny.process.status == Status.running
+            for nanny in cluster.workers.values())
+
+    deadline, revived = time.monotonic() + timeout, False
+    while not ready():
+        if not revived and time.monotonic() > deadline - 2 * timeout / 3:
+            revived = True
+            for nanny in list(cluster.workers.values()):
+                if not nanny.is_alive():
+                    cluster.sync(nanny.instantiate)
+            cluster.scale(2)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the two workers did not come back within {timeout} s")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
-def nanny_client(tmp_path_factory):
+def nanny_cluster(tmp_path_factory):
     """Two worker processes under nannies; a task may kill one worker, not two."""
     import distributed  # its defaults must be loaded before one is overridden
 
@@ -354,6 +388,13 @@ def nanny_client(tmp_path_factory):
     client.close()
     cluster.close()
     os.environ.pop("DKICF_TEST_KILL_MARKER", None)
+
+
+@pytest.fixture
+def nanny_client(nanny_cluster):
+    """The module's cluster with both workers up, their nannies done starting them."""
+    both_workers(nanny_cluster[0])
+    return nanny_cluster
 
 
 @pytest.mark.parametrize("store", [None, "memory", "zarr"])
@@ -520,7 +561,6 @@ def test_cli_fit_with_a_kmeans_task_killing_its_workers_fails_in_one_line(
     monkeypatch.chdir(tmp_path)
     io.generate("blobs", "data.zarr", 1000, chunk_rows=1000, centers=2)  # one task per pass
     marker.write_text("_chunk_lloyd")
-    client.wait_for_workers(2, timeout=60)  # back from the kills of the tests before
     try:
         code = cli.main(["fit", "data.zarr", "--clusters", "2", "--gamma", "0.01", "--rank", "10",
                          "--algorithm", "lloyd", "--n-init", "1", "--out", "model.zarr",
@@ -666,7 +706,7 @@ def test_state_checkpoint_survives_a_crash_between_write_and_commit(tmp_path, mo
 @contextlib.contextmanager
 def armed(client, marker, task: str):
     """Kill every worker that runs ``task`` inside the block (once both workers are back)."""
-    client.wait_for_workers(2, timeout=60)  # back from the kills of the tests before
+    both_workers(client)  # back from the kills of the tests before
     marker.write_text(task)
     try:
         yield
@@ -689,7 +729,7 @@ def test_assign_task_killing_its_workers_fails_clearly(nanny_client, monkeypatch
         km.assign(P, centers, client=client)
     assert (info.value.stage, info.value.iteration, info.value.checkpoint) == (
         "labelling", 0, None)
-    client.wait_for_workers(2, timeout=60)
+    both_workers(client)
     labels, inertia = km.assign(P, centers, client=client)  # the cluster still works
     assert np.asarray(labels).shape == (600,) and inertia > 0
 
