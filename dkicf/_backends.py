@@ -116,6 +116,7 @@ class NumpyBackend:
     """
 
     _BLOCK_ROWS = 4 * _chunk.ROW_BLOCK
+    _POOL_ROWS = _chunk.ROW_BLOCK
 
     def __init__(
         self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None,
@@ -130,17 +131,11 @@ class NumpyBackend:
         self.n_threads = n_threads or _cpu_count()
         self._pool = None
         self._limiter = None
-        if self.n_threads > 1:
-            # One BLAS thread per pass thread; also with no pool (a few thousand
-            # rows, one thread): BLAS's own threads then cost more than they save
-            # on products this small.  On a 2-core VM they made block passes over
-            # 6,435 rows 5-20 times slower (a woken thread waits for a core), and
-            # block greedy 3x slower than greedy there (satimage, s = 100).
-            self._limiter = threadpool_limits(1)
-        if self.n_threads > 1 and self.n > _chunk.ROW_BLOCK:
+        if self.n_threads > 1 and self.n > self._POOL_ROWS:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self.n_threads, thread_name_prefix="dkicf")
+            self._limiter = threadpool_limits(1)  # one BLAS thread per pool thread
         # One pivot per pass: large tasks (little scheduling per pass).  A
         # block per pass: long passes, smaller tasks that stay in cache.
         self.bounds = _even_bounds(self.n, self._BLOCK_ROWS, self.n_threads)
@@ -195,7 +190,15 @@ class NumpyBackend:
         st = self.state
         args = (self.X, st.P, st.e, st.aux, block)
         bounds = self.bounds if block.index.shape[0] == 1 else self.fine_bounds
-        if self._pool is None:
+        if self._pool is None and block.index.shape[0] > 1 and self.n_threads > 1:
+            # Without the pool (a few thousand rows), BLAS's own threads speed up
+            # a one-pivot pass's matrix-vector products (usps' first 8,000 rows:
+            # 1.6x) but made block passes 5-20x slower (a woken BLAS thread waits
+            # for a core on a 2-core VM): satimage's block greedy took 2.9x
+            # greedy's time.  One BLAS thread for the block passes.
+            with threadpool_limits(1):
+                found = [_chunk.update_rows(*args, lo, hi, stats=False) for lo, hi in bounds]
+        elif self._pool is None:
             found = [_chunk.update_rows(*args, lo, hi, stats=False) for lo, hi in bounds]
         else:
             futs = [self._pool.submit(_chunk.update_rows, *args, lo, hi, stats=False)

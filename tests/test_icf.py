@@ -416,11 +416,13 @@ def test_numpy_thread_count_changes_nothing_but_rounding(pivoting, rng, monkeypa
         np.testing.assert_allclose(other.residual, runs[0].residual, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("n", [600, 2 * 8192 + 10])  # no thread pool, and one
-def test_numpy_passes_run_one_blas_thread_and_restore_the_limit(n, rng, monkeypatch):
-    """With more than one core, BLAS runs one thread during a numpy fit (also for a few
-    thousand rows, where no pool runs: its own threads made block passes many times
-    slower), and the process's limit is back afterwards, also when the set-up fails."""
+@pytest.mark.parametrize("pool", [False, True])
+def test_numpy_passes_run_one_blas_thread_where_it_pays_and_restore_the_limit(
+        pool, rng, monkeypatch):
+    """With a thread pool every pass runs one BLAS thread per pool thread.  Without one
+    (a few thousand rows), block passes run one BLAS thread (BLAS's own threads made
+    them many times slower) and one-pivot passes keep BLAS's threads.  The process's
+    limit is back afterwards, also when the set-up fails."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     from dkicf import _backends, _chunk
@@ -429,14 +431,21 @@ def test_numpy_passes_run_one_blas_thread_and_restore_the_limit(n, rng, monkeypa
         return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
 
     monkeypatch.setattr(_backends, "_cpu_count", lambda: 2)
-    X = rng.normal(size=(n, 3))
-    seen = []
+    X = rng.normal(size=(2 * _chunk.ROW_BLOCK + 10 if pool else 600, 3))
+    seen = {1: set(), "block": set()}
+    real = _chunk.update_rows
+
+    def update_rows(*args, **kw):
+        b = args[4].index.shape[0]
+        seen[1 if b == 1 else "block"] |= blas_threads()
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_chunk, "update_rows", update_rows)
     with threadpool_limits(2, user_api="blas"):
         for rule in ("greedy", "block-greedy"):
-            incomplete_cholesky(X, gamma=0.5, max_rank=8, tol=0, pivoting=rule,
-                                progress=lambda p: seen.append(blas_threads()))
+            incomplete_cholesky(X, gamma=0.5, max_rank=12, tol=0, pivoting=rule)
             assert blas_threads() == {2}
-        assert seen and all(s == {1} for s in seen)
+        assert seen == {1: {1} if pool else {2}, "block": {1}}
 
         def failing(*a, **k):
             raise MemoryError("no room for P")
