@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -116,7 +118,6 @@ class NumpyBackend:
     """
 
     _BLOCK_ROWS = 4 * _chunk.ROW_BLOCK
-    _POOL_ROWS = _chunk.ROW_BLOCK
 
     def __init__(
         self, X: np.ndarray, kernel: Kernel, capacity: int, n_threads: int | None = None,
@@ -129,11 +130,8 @@ class NumpyBackend:
         self.task_bytes = None
         self.step = 0
         self.n_threads = n_threads or _cpu_count()
-        self._pool = None
-        self._limiter = None
-        if self.n_threads > 1 and self.n > self._POOL_ROWS:
-            from concurrent.futures import ThreadPoolExecutor
-
+        self._pool = self._limiter = None
+        if self.n_threads > 1 and self.n > _chunk.ROW_BLOCK:
             self._pool = ThreadPoolExecutor(self.n_threads, thread_name_prefix="dkicf")
             self._limiter = threadpool_limits(1)  # one BLAS thread per pool thread
         # One pivot per pass: large tasks (little scheduling per pass).  A
@@ -144,24 +142,19 @@ class NumpyBackend:
         # own candidates, which the driver merges.
         self.thread_bounds = _even_bounds(self.n, -(-self.n // self.n_threads), self.n_threads)
         try:
-            self._init_state(kernel, capacity, restore, checked)
+            # The O(n) set-up (checks, kernel diagonal, first touch of P's memory)
+            # on the pool's threads: serial, it took as long as several passes.
+            if restore is None:
+                self.state = _chunk.chunk_init(self.X, kernel, 0, capacity, checked=checked,
+                                               run=self._run_ranges)
+            else:
+                spec, point = restore
+                self.step = int(point["iteration"])
+                self.state = _chunk.chunk_restore(self.X, None, spec, kernel, 0, capacity,
+                                                  None, point, stored=False)
         except BaseException:
             self.close()  # the pool's threads and the process's BLAS threads as they were
             raise
-
-    def _init_state(self, kernel, capacity, restore, checked) -> None:
-        if restore is None:
-            # The O(n) set-up (checks, kernel diagonal, first touch of P's
-            # memory) on the pool's threads: serial, it took as long as
-            # several passes on many cores.
-            self.state = _chunk.chunk_init(self.X, kernel, 0, capacity, checked=checked,
-                                           run=self._run_ranges)
-        else:
-            spec, point = restore
-            self.step = int(point["iteration"])
-            self.state = _chunk.chunk_restore(
-                self.X, None, spec, kernel, 0, capacity, None, point, stored=False
-            )
 
     def _run_ranges(self, func, bounds=None) -> list:
         """``[func(lo, hi) for (lo, hi) in bounds]`` on the pool (default: the coarse bounds)."""
@@ -190,16 +183,11 @@ class NumpyBackend:
         st = self.state
         args = (self.X, st.P, st.e, st.aux, block)
         bounds = self.bounds if block.index.shape[0] == 1 else self.fine_bounds
-        if self._pool is None and block.index.shape[0] > 1 and self.n_threads > 1:
-            # Without the pool (a few thousand rows), BLAS's own threads speed up
-            # a one-pivot pass's matrix-vector products (usps' first 8,000 rows:
-            # 1.6x) but made block passes 5-20x slower (a woken BLAS thread waits
-            # for a core on a 2-core VM): satimage's block greedy took 2.9x
-            # greedy's time.  One BLAS thread for the block passes.
-            with threadpool_limits(1):
+        if self._pool is None:
+            # No pool (few rows): BLAS's threads speed up a one-pivot pass but made
+            # block passes 5-20x slower (a woken one waits for a core): those run one.
+            with threadpool_limits(1) if block.index.shape[0] > 1 else nullcontext():
                 found = [_chunk.update_rows(*args, lo, hi, stats=False) for lo, hi in bounds]
-        elif self._pool is None:
-            found = [_chunk.update_rows(*args, lo, hi, stats=False) for lo, hi in bounds]
         else:
             futs = [self._pool.submit(_chunk.update_rows, *args, lo, hi, stats=False)
                     for lo, hi in bounds]
@@ -249,10 +237,8 @@ class NumpyBackend:
     def close(self):
         if self._pool is not None:
             self._pool.shutdown()
-            self._pool = None
-        if self._limiter is not None:
             self._limiter.restore_original_limits()
-            self._limiter = None
+            self._pool = None
 
 
 def _even_bounds(n: int, rows: int, n_threads: int, align: int = 256) -> list[tuple[int, int]]:
