@@ -194,7 +194,7 @@ def _failure(exc: BaseException, pos: _Position, ckpt, checkpoint):
     # The error must not keep the failed fit's futures alive (its traceback
     # keeps its lines, not its frames' variables, nor the best run's labels):
     # their erred tasks, P's chunks among them when they were lost with the
-    # dying workers, are released, and a resume in this session computes them
+    # dying workers, are released, and a resume in this process computes them
     # again instead of failing on their errors.
     traceback.clear_frames(exc.__traceback__)
     return err
