@@ -635,43 +635,47 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
     return {"rows": rows, "totals": totals}
 
 
+def _rules_taking_turns(X, gamma: float, s: int, repeats: int) -> tuple[dict, dict]:
+    """Greedy and block greedy on ``X`` (numpy backend), taking turns: each rule's best
+    seconds of ``repeats`` and its last result; the pivots must be identical."""
+    import warnings
+
+    from dkicf import incomplete_cholesky
+
+    best, runs = {}, {}
+    for _ in range(repeats):
+        for rule in ("greedy", "block-greedy"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a near-identity kernel warns
+                t0 = time.perf_counter()
+                runs[rule] = incomplete_cholesky(X, gamma=gamma, max_rank=s, tol=0.0,
+                                                 pivoting=rule)
+                best[rule] = min(best.get(rule, math.inf), time.perf_counter() - t0)
+    assert np.array_equal(runs["greedy"].pivots, runs["block-greedy"].pivots), \
+        "block greedy's pivots differ from greedy's"
+    return best, runs
+
+
 def near_identity(repeats: int = 7) -> None:
     """Block greedy against greedy where blocks stay at one pivot (scikit-learn's digits at
     gamma 2**-6, 300 pivots): seconds (best of ``repeats``), passes, identical pivots."""
     from sklearn.datasets import load_digits
 
-    from dkicf import incomplete_cholesky
-
     X = load_digits().data.astype(np.float64)
     say(f"\n== near-identity kernel: digits ({X.shape[0]} x {X.shape[1]}), gamma 2**-6, "
         f"300 pivots, numpy backend, best of {repeats}")
-    best, runs = {}, {}
-    import warnings
-
-    for _ in range(repeats):
-        for rule in ("greedy", "block-greedy"):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the kernel is near the identity: it warns
-                t0 = time.perf_counter()
-                runs[rule] = incomplete_cholesky(X, gamma=2.0**-6, max_rank=300, tol=0.0,
-                                                 pivoting=rule)
-                best[rule] = min(best.get(rule, math.inf), time.perf_counter() - t0)
-    same = np.array_equal(runs["greedy"].pivots, runs["block-greedy"].pivots)
+    best, runs = _rules_taking_turns(X, 2.0**-6, 300, repeats)
     blocks = runs["block-greedy"].info["blocks"]
     singles = sum(1 for _, _, why in blocks if why == "single")
     for rule in ("greedy", "block-greedy"):
         say(f"  {rule:<13} {best[rule] * 1e3:8.1f} ms  {runs[rule].n_passes:4d} passes")
     say(f"  block greedy / greedy: {best['block-greedy'] / best['greedy']:.2f}x; "
-        f"{singles} of {len(blocks)} passes fell back to one pivot; pivots identical: {same}")
-    assert same, "block greedy's pivots differ from greedy's"
+        f"{singles} of {len(blocks)} passes fell back to one pivot; pivots identical: True")
 
 
 def small_data(repeats: int = 3, rows: int = 20_000, ranks=(100, 500)) -> None:
     """Block greedy against greedy on the paper's datasets found locally (numpy backend):
     seconds (best of ``repeats``, the rules taking turns), passes, identical pivots."""
-    import warnings
-
-    from dkicf import incomplete_cholesky
     from dkicf.datasets import DATASETS, PAPER_GAMMA, load_dataset
 
     say(f"\n== block greedy against greedy on the paper's datasets (first {rows:,} rows, "
@@ -683,21 +687,11 @@ def small_data(repeats: int = 3, rows: int = 20_000, ranks=(100, 500)) -> None:
             say(f"  {name}: skipped ({str(exc).splitlines()[0][:70]})")
             continue
         for s in ranks:
-            best, runs = {}, {}
-            for _ in range(repeats):
-                for rule in ("greedy", "block-greedy"):
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        t0 = time.perf_counter()
-                        runs[rule] = incomplete_cholesky(X, gamma=PAPER_GAMMA[name], max_rank=s,
-                                                         tol=0.0, pivoting=rule)
-                        best[rule] = min(best.get(rule, math.inf), time.perf_counter() - t0)
-            same = np.array_equal(runs["greedy"].pivots, runs["block-greedy"].pivots)
+            best, runs = _rules_taking_turns(X, PAPER_GAMMA[name], s, repeats)
             say(f"  {name:<9} {X.shape[0]:>6} x {X.shape[1]:<3} s = {s:<4} greedy "
                 f"{best['greedy'] * 1e3:7.1f} ms, block greedy {best['block-greedy'] * 1e3:7.1f} ms"
                 f" ({runs['block-greedy'].n_passes} passes): "
-                f"{best['block-greedy'] / best['greedy']:.2f}x; pivots identical: {same}")
-            assert same, f"block greedy's pivots differ from greedy's on {name}"
+                f"{best['block-greedy'] / best['greedy']:.2f}x; pivots identical: True")
 
 
 def numpy_cores(n: int, s: int, d: int, gamma: float, cores: int, repeats: int = 3) -> float:
