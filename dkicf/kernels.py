@@ -162,15 +162,19 @@ class Kernel(abc.ABC):
     ) -> np.ndarray:
         """Return the kernel block ``K[i, j] = k(A[i], B[j])`` of shape (len(A), len(B))."""
 
-    def _block_into(self, A, B, a_aux, b_aux, out: np.ndarray) -> np.ndarray:
-        """:meth:`block` written into ``out`` (float64, C-ordered, ``(len(A), len(B))``).
+    def _block_t_into(self, A, B, a_aux, b_aux, out: np.ndarray) -> np.ndarray:
+        """The transposed block ``block(A, B).T`` written into ``out`` (float64,
+        C-ordered, ``(len(B), len(A))``).
 
-        Block updates call this on every slice of rows with the same scratch
-        array, so that the kernel values need no fresh memory each time
-        (processes with a small mmap threshold, such as dask workers under a
-        nanny, would otherwise fault in new pages for every slice).
+        Block updates call this on every slice of rows (``A``, many) against a
+        block's pivots (``B``, few), with the same scratch array, so that the
+        kernel values need no fresh memory each time (processes with a small
+        mmap threshold, such as dask workers under a nanny, would otherwise
+        fault in new pages for every slice).  Transposed, the values are laid
+        out as P's Fortran-ordered columns, and the products that form them
+        are short and wide, which BLAS runs faster than tall and skinny ones.
         """
-        out[...] = self.block(A, B, a_aux, b_aux)
+        out[...] = self.block(A, B, a_aux, b_aux).T
         return out
 
     def column(
@@ -260,14 +264,14 @@ class GaussianKernel(_WidthKernel):
         out -= b_sq[None, :]
         return self._finish(out)
 
-    def _block_into(self, A, B, a_aux, b_aux, out):
+    def _block_t_into(self, A, B, a_aux, b_aux, out):
         if A.dtype != np.float64 or B.dtype != np.float64:
-            return super()._block_into(A, B, a_aux, b_aux, out)
+            return super()._block_t_into(A, B, a_aux, b_aux, out)
         a_sq = _sqnorms(A) if a_aux is None else a_aux
         b_sq = _sqnorms(B) if b_aux is None else b_aux
-        np.dot(A, 2.0 * B.T, out=out)
-        out -= a_sq[:, None]
-        out -= b_sq[None, :]
+        np.dot(2.0 * B, A.T, out=out)
+        out -= b_sq[:, None]
+        out -= a_sq[None, :]
         return self._finish(out)
 
     def column(self, A, b, a_aux=None, b_aux=None):
@@ -347,10 +351,10 @@ class PolynomialKernel(Kernel):
     def block(self, A, B, a_aux=None, b_aux=None):
         return self._finish(np.dot(A, B.T).astype(np.float64, copy=False))
 
-    def _block_into(self, A, B, a_aux, b_aux, out):
+    def _block_t_into(self, A, B, a_aux, b_aux, out):
         if A.dtype != np.float64 or B.dtype != np.float64:
-            return super()._block_into(A, B, a_aux, b_aux, out)
-        return self._finish(np.dot(A, B.T, out=out))
+            return super()._block_t_into(A, B, a_aux, b_aux, out)
+        return self._finish(np.dot(B, A.T, out=out))
 
     def column(self, A, b, a_aux=None, b_aux=None):
         return self._finish(np.dot(A, b).astype(np.float64, copy=False))
@@ -379,10 +383,10 @@ class LinearKernel(Kernel):
     def block(self, A, B, a_aux=None, b_aux=None):
         return np.dot(A, B.T).astype(np.float64, copy=False)
 
-    def _block_into(self, A, B, a_aux, b_aux, out):
+    def _block_t_into(self, A, B, a_aux, b_aux, out):
         if A.dtype != np.float64 or B.dtype != np.float64:
-            return super()._block_into(A, B, a_aux, b_aux, out)
-        return np.dot(A, B.T, out=out)
+            return super()._block_t_into(A, B, a_aux, b_aux, out)
+        return np.dot(B, A.T, out=out)
 
     def column(self, A, b, a_aux=None, b_aux=None):
         return np.dot(A, b).astype(np.float64, copy=False)
