@@ -763,3 +763,41 @@ def test_workers_of_a_local_cluster_import_the_task_modules_before_any_fit():
         fresh.close()
         cluster.close()
     assert list(found.values()) == [dict.fromkeys(_TASK_MODULES, True)]
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("rank", [0, 5])
+@pytest.mark.parametrize("kernel", ["gaussian", "polynomial", "laplacian"])
+@pytest.mark.parametrize("d", [5, 40])
+def test_a_block_update_adds_the_columns_of_the_kernel_matrix_s_cholesky_factor(
+    b, rank, kernel, d, rng
+):
+    """A pass of ``b`` pivots after ``rank`` columns writes the next ``b`` columns of
+    ``K[:, T] chol(K[T, T])^-T`` (T the pivots so far) and subtracts their squares from the
+    residual, whichever product form the block's size and the features select."""
+    from scipy.linalg import cholesky, solve_triangular
+
+    from dkicf import _chunk
+    from dkicf._factor import PivotBlock
+
+    n = 300
+    X = rng.normal(size=(n, d))
+    kern = make_kernel(kernel, gamma=0.5 / d, degree=2)
+    K = kern.block(X, X)
+    T = rng.choice(n, size=rank + b, replace=False)
+    C = cholesky(K[np.ix_(T, T)], lower=True)
+    want = solve_triangular(C, K[:, T].T, lower=True).T  # K[:, T] C^-T
+    P = np.zeros((n, rank + b + 2), order="F")
+    P[:, :rank] = want[:, :rank]
+    e = np.diag(K) - np.einsum("ij,ij->i", P[:, :rank], P[:, :rank])
+    aux = kern.prepare(X)
+    new = T[rank:]
+    U = P[new, :rank].copy()
+    L = cholesky(K[np.ix_(new, new)] - U @ U.T, lower=True)
+    block = PivotBlock(kernel=kern, index=new, rows=X[new], aux=None if aux is None else aux[new],
+                       U=U, L=L, rank=rank)
+    _chunk.update_rows(X, P, e, aux, block, 0, n)
+    np.testing.assert_allclose(P[:, rank:rank + b], want[:, rank:], rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(P[:, rank + b:], 0.0)
+    left = np.diag(K) - np.einsum("ij,ij->i", want, want)
+    np.testing.assert_allclose(e, np.maximum(left, 0.0), rtol=0, atol=1e-12)
