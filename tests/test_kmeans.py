@@ -638,3 +638,33 @@ def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     taken = _take_rows(rows, np.array([5, 0, 199]))
     assert taken.flags.c_contiguous
     assert_array_equal(taken, rows[[5, 0, 199]])
+
+
+def test_kmeans_parallel_update_reads_column_major_p_as_row_major(rng):
+    """k-means||'s update reads a factorization's P (rows of a Fortran-ordered buffer) by
+    columns: each row's nearest candidate and its distance are those of the same rows in
+    C order, up to the float32 products' rounding; NaN in P is named by its row."""
+    from dkicf import _kmeans_tasks
+
+    centres = rng.normal(scale=6.0, size=(4, 30))
+    buf = np.asfortranarray(centres[rng.integers(0, 4, 3000)] + rng.normal(size=(3000, 30)))
+    p = buf[1000:2700]  # rows of the buffer: column-major, not Fortran-contiguous
+    assert _kmeans_tasks._column_major(p) and not p.flags.f_contiguous
+    states = want = None
+    for cands, firsts in (([centres[:3] + 0.1, centres[2:] - 0.1], [0, 0]),
+                          ([centres[1:] * 0.97, centres[:2] * 1.02], [3, 2])):
+        by_cols, sums_c = _kmeans_tasks._chunk_nearest_update(p, 1000, states, cands, firsts)
+        by_rows, sums_r = _kmeans_tasks._chunk_nearest_update(
+            np.ascontiguousarray(p), 1000, states, cands, firsts)
+        for (d2_c, lab_c), (d2_r, lab_r) in zip(by_cols, by_rows):
+            np.testing.assert_array_equal(lab_c, lab_r)
+            np.testing.assert_allclose(d2_c, d2_r, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(sums_c, sums_r, rtol=1e-6)
+        now = np.stack([((p[:, None, :] - c[None]) ** 2).sum(-1).min(1) for c in cands])
+        want = now if want is None else np.minimum(want, now)
+        np.testing.assert_allclose([d2 for d2, _ in by_cols], want, rtol=1e-4, atol=1e-3)
+        states = by_cols
+    bad = buf.copy(order="F")
+    bad[2345, 7] = np.nan
+    with pytest.raises(ValueError, match="first at row 2345"):
+        _kmeans_tasks._chunk_nearest_update(bad[1000:2700], 1000, None, cands, firsts)
