@@ -232,8 +232,14 @@ def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
     d2 = np.empty((runs, n))
     sums = np.zeros((runs * width, s)) if with_sums else None
     first = np.arange(0, runs * width, width)
-    for lo, hi, x in _row_blocks(p, offset, runs * width, check):
-        near, dist = _nearest(x, C, c_sq, width=width)
+    # Without sums (whose sparse product wants rows), a column-major P is read by
+    # columns, as in k-means||: the product is the short, wide C x rows^T.
+    by_columns = not with_sums and _column_major(p)
+    for lo, hi, x in _row_blocks(p, offset, runs * width, check, views=by_columns):
+        cross = None
+        if by_columns:
+            cross = np.matmul(C, x.T, out=scratch("kmeans-cross", (C.shape[0], hi - lo))).T
+        near, dist = _nearest(x, C, c_sq, cross=cross, width=width)
         labels[:, lo:hi] = near.T
         d2[:, lo:hi] = dist.T
         if with_sums:

@@ -640,10 +640,11 @@ def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     assert_array_equal(taken, rows[[5, 0, 199]])
 
 
-def test_kmeans_parallel_update_reads_column_major_p_as_row_major(rng):
-    """k-means||'s update reads a factorization's P (rows of a Fortran-ordered buffer) by
-    columns: each row's nearest candidate and its distance are those of the same rows in
-    C order, up to the float32 products' rounding; NaN in P is named by its row."""
+def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng):
+    """k-means||'s update and the labels pass read a factorization's P (rows of a
+    Fortran-ordered buffer) by columns: each row's nearest candidate and its distance are
+    those of the same rows in C order, up to the float32 products' rounding; NaN in P is
+    named by its row."""
     from dkicf import _kmeans_tasks
 
     centres = rng.normal(scale=6.0, size=(4, 30))
@@ -664,7 +665,15 @@ def test_kmeans_parallel_update_reads_column_major_p_as_row_major(rng):
         want = now if want is None else np.minimum(want, now)
         np.testing.assert_allclose([d2 for d2, _ in by_cols], want, rtol=1e-4, atol=1e-3)
         states = by_cols
+    # The labels pass reads it by columns too: the same labels and inertia.
+    lab_c, stats_c = _kmeans_tasks._chunk_assign(p, 1000, centres)
+    lab_r, stats_r = _kmeans_tasks._chunk_assign(np.ascontiguousarray(p), 1000, centres)
+    np.testing.assert_array_equal(lab_c, lab_r)
+    np.testing.assert_array_equal(lab_c, ((p[:, None, :] - centres[None]) ** 2).sum(-1).argmin(1))
+    np.testing.assert_allclose(stats_c["inertia"], stats_r["inertia"], rtol=1e-10)
     bad = buf.copy(order="F")
     bad[2345, 7] = np.nan
     with pytest.raises(ValueError, match="first at row 2345"):
         _kmeans_tasks._chunk_nearest_update(bad[1000:2700], 1000, None, cands, firsts)
+    with pytest.raises(ValueError, match="first at row 2345"):
+        _kmeans_tasks._chunk_assign(bad[1000:2700], 1000, centres)
