@@ -43,12 +43,67 @@ class ChunkBackend(Protocol):
         """Release the threads, futures and subscriptions of the fit."""
 
 
-def threadpool_limits(limits: int = 1):
-    """Limit BLAS threads inside a task; the library scan is done once per process."""
-    global _CONTROLLER
-    if _CONTROLLER is None:
-        _CONTROLLER = ThreadpoolController()
-    return _CONTROLLER.limit(limits=limits, user_api="blas")
+_LIMIT_LOCK = threading.Lock()
+_SHARED_LIMIT: dict = {"holders": 0, "limits": None, "limiter": None}
+
+
+class _BlasLimit:
+    """One holder of the process's shared BLAS thread limit (see :func:`threadpool_limits`).
+
+    A context manager, or held until :meth:`restore_original_limits`.
+    """
+
+    def __init__(self, limits: int):
+        global _CONTROLLER
+        self._own, self._held = None, False
+        with _LIMIT_LOCK:
+            if _CONTROLLER is None:
+                _CONTROLLER = ThreadpoolController()
+            shared = _SHARED_LIMIT
+            if shared["holders"] and shared["limits"] != limits:
+                # Another limit is held: this one is set on its own, as threadpoolctl does.
+                self._own = _CONTROLLER.limit(limits=limits, user_api="blas")
+                return
+            if not shared["holders"]:
+                shared["limiter"] = _CONTROLLER.limit(limits=limits, user_api="blas")
+                shared["limits"] = limits
+            shared["holders"] += 1
+        self._held = True
+
+    def restore_original_limits(self) -> None:
+        """Let go of the limit; the last holder restores the threads the process had."""
+        if self._own is not None:
+            self._own, own = None, self._own
+            own.restore_original_limits()
+            return
+        with _LIMIT_LOCK:
+            if not self._held:
+                return
+            self._held = False
+            shared = _SHARED_LIMIT
+            shared["holders"] -= 1
+            if not shared["holders"]:
+                shared["limiter"].restore_original_limits()
+                shared["limiter"] = shared["limits"] = None
+
+    def __enter__(self) -> _BlasLimit:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore_original_limits()
+
+
+def threadpool_limits(limits: int = 1) -> _BlasLimit:
+    """Limit BLAS threads inside a task; the library scan is done once per process.
+
+    Tasks that overlap in one process (the threads of an in-process dask
+    worker, the numpy backends' pools) share one limit: the first to enter
+    sets it, the last to leave restores the process's threads.  With a
+    limit of their own, one task's exit would give BLAS back its threads
+    while another task still computes, and some BLAS products round
+    differently with more threads: a fit would not repeat bit for bit.
+    """
+    return _BlasLimit(limits)
 
 
 class LazyChunk:

@@ -801,3 +801,60 @@ def test_a_block_update_adds_the_columns_of_the_kernel_matrix_s_cholesky_factor(
     np.testing.assert_array_equal(P[:, rank + b:], 0.0)
     left = np.diag(K) - np.einsum("ij,ij->i", want, want)
     np.testing.assert_allclose(e, np.maximum(left, 0.0), rtol=0, atol=1e-12)
+
+
+def test_overlapping_tasks_of_one_process_share_one_blas_limit(monkeypatch):
+    """In-process workers run tasks in threads of one process: when one task leaves its
+    BLAS limit while another still computes, the other keeps one BLAS thread (some products
+    round differently with more), and the last to leave restores the process's threads.
+    BLAS is a stand-in here that records the thread count it is set to."""
+    import threading
+
+    from dkicf import _services
+
+    class FakeBlas:  # the process's BLAS as threadpoolctl's controller sets it
+        threads = 4
+
+        def limit(self, limits, user_api):
+            assert user_api == "blas"
+            old, FakeBlas.threads = FakeBlas.threads, limits
+            return type("Limiter", (), {"restore_original_limits":
+                                        lambda _: setattr(FakeBlas, "threads", old)})()
+
+    monkeypatch.setattr(_services, "_CONTROLLER", FakeBlas())
+    first_in, second_in, first_out, seen = (threading.Event(), threading.Event(),
+                                            threading.Event(), {})
+
+    def first_task():  # enters first, leaves while the second still computes
+        with _services.threadpool_limits(1):
+            first_in.set()
+            second_in.wait(10)
+            seen["both inside"] = FakeBlas.threads
+        first_out.set()
+
+    def second_task():
+        first_in.wait(10)
+        with _services.threadpool_limits(1):
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first left"] = FakeBlas.threads
+
+    tasks = [threading.Thread(target=first_task), threading.Thread(target=second_task)]
+    for t in tasks:
+        t.start()
+    for t in tasks:
+        t.join(10)
+    seen["all left"] = FakeBlas.threads
+    held = _services.threadpool_limits(1)  # held across calls, as the numpy backend's pool
+    with _services.threadpool_limits(1):
+        pass
+    seen["still held"] = FakeBlas.threads
+    with _services.threadpool_limits(2):  # another limit while one is held: its own
+        seen["another limit"] = FakeBlas.threads
+    seen["back to the held one"] = FakeBlas.threads
+    held.restore_original_limits()
+    held.restore_original_limits()  # a second release changes nothing
+    seen["released"] = FakeBlas.threads
+    assert seen == {"both inside": 1, "after the first left": 1, "all left": 4,
+                    "still held": 1, "another limit": 2, "back to the held one": 1,
+                    "released": 4}
