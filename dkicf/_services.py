@@ -73,7 +73,7 @@ class _BlasLimit:
     def restore_original_limits(self) -> None:
         """Let go of the limit; the last holder restores the threads the process had."""
         if self._own is not None:
-            self._own, own = None, self._own
+            own, self._own = self._own, None
             own.restore_original_limits()
             return
         with _LIMIT_LOCK:
