@@ -221,16 +221,18 @@ def _sqnorms(X: np.ndarray) -> np.ndarray:
 
 
 # Up to this many rows of B, ``B @ A.T`` runs as one matrix-vector product per
-# row where A has at least _GEMV_FEATURES columns: OpenBLAS's matrix product
-# took 1.1-2x longer there (8,192 rows, 64 and 784 features, one thread), and
-# was faster with fewer features.
+# row where A has at least ``gemv_columns`` columns: OpenBLAS's matrix product
+# of so few rows took 1.1-2x longer there.  For a slice of X (C-ordered) that
+# holds from _GEMV_FEATURES features (8,192 rows, 64 and 784 features, one
+# thread; faster with fewer); for P's Fortran-ordered columns at every rank.
 _GEMV_ROWS = 3
 _GEMV_FEATURES = 32
 
 
-def _dot_t(B: np.ndarray, A: np.ndarray, out: np.ndarray) -> np.ndarray:
+def _dot_t(B: np.ndarray, A: np.ndarray, out: np.ndarray,
+           gemv_columns: int = _GEMV_FEATURES) -> np.ndarray:
     """``B @ A.T`` into ``out`` (float64, C-ordered ``(len(B), len(A))``), B few rows."""
-    if B.shape[0] <= _GEMV_ROWS and A.shape[1] >= _GEMV_FEATURES:
+    if B.shape[0] <= _GEMV_ROWS and A.shape[1] >= gemv_columns:
         for j in range(B.shape[0]):
             np.dot(A, B[j], out=out[j])
         return out
