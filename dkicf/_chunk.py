@@ -75,7 +75,7 @@ def empty_columns(n: int, cols: int, populate: bool = True) -> np.ndarray:
 
 
 def empty_vector(n: int) -> np.ndarray:
-    """An uninitialised float64 vector, faulted in at once when large (see :func:`empty_columns`)."""
+    """An uninitialised float64 vector, faulted in at once if large (see :func:`empty_columns`)."""
     return empty_columns(n, 1)[:, 0]
 
 
