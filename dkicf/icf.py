@@ -23,6 +23,7 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from ._cluster import get_client
 from ._factor import History, ICFProgress, ICFResult, PivotBlock, cut_factor
 from ._memory import _Workers, measure_workers
 from ._plan import FitPlan
+from ._services import threadpool_limits
 from ._validation import check_array_2d, is_dask_array
 from .checkpoint import open_storage
 from .errors import DegenerateKernelWarning, worker_failure, worker_failure_types
@@ -210,21 +212,30 @@ def _open_storage(X, dask_input, kernel, rule, capacity, persist, client, worker
 
 
 def _run_loop(backend, rule, kernel, n, d, capacity, tol, rank_tol, progress, storage):
-    """The rule's driver loop on ``backend``; a worker failure becomes dkicf's error."""
-    try:
-        if rule.one_per_pass:
-            return _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress,
-                                storage)
-        return _block_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress, rule,
-                           storage)
-    except worker_failure_types() as exc:
-        backend.abort()
-        raise worker_failure(exc, "factorization", backend.step, storage) from exc
-    except BaseException:
-        backend.abort()
-        raise
-    finally:
-        backend.close()
+    """The rule's driver loop on ``backend``; a worker failure becomes dkicf's error.
+
+    With dask, the driver's own products (the candidates' small Cholesky)
+    run on one BLAS thread: its other threads, woken by each product, spin
+    for a while after it on cores that the workers (or, on one machine,
+    the scheduler and the workers) need.  The numpy backend limits BLAS
+    itself when it runs a thread pool.
+    """
+    limit = threadpool_limits(1) if isinstance(backend, DaskBackend) else nullcontext()
+    with limit:
+        try:
+            if rule.one_per_pass:
+                return _greedy_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress,
+                                    storage)
+            return _block_loop(backend, kernel, n, d, capacity, tol, rank_tol, progress, rule,
+                               storage)
+        except worker_failure_types() as exc:
+            backend.abort()
+            raise worker_failure(exc, "factorization", backend.step, storage) from exc
+        except BaseException:
+            backend.abort()
+            raise
+        finally:
+            backend.close()
 
 
 def _make_backend(X, dask_input, kernel, capacity, client, workers: _Workers | None, persist,

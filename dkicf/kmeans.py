@@ -52,6 +52,7 @@ from ._kmeans_runs import (
     _worker_failure,
 )
 from ._kmeans_tasks import _backend, _full_pass
+from ._services import threadpool_limits
 from ._validation import check_array_2d, check_positive_int
 from .errors import worker_failure, worker_failure_types
 
@@ -181,7 +182,11 @@ default="k-means||"
                 backend, P, cfg, _seed_fingerprint(random_state, seeds), checkpoint,
                 checkpoint_every, resume, overwrite, storage_options,
             )
-        return _fit(backend, cfg, seeds, progress, ckpt, pos)
+        # The driver's own products (mini-batch steps, the seeding) are small: BLAS's
+        # other threads, woken by each, would spin after it on the cores that the
+        # workers (or the numpy backend's pool threads) compute on.
+        with threadpool_limits(1):
+            return _fit(backend, cfg, seeds, progress, ckpt, pos)
     except worker_failure_types() as exc:
         raise _failure(exc, pos, ckpt, checkpoint) from exc
     finally:

@@ -496,6 +496,43 @@ def test_numpy_passes_run_one_blas_thread_where_it_pays_and_restore_the_limit(
         assert blas_threads() == {2}
 
 
+def test_dask_fit_runs_the_driver_s_products_on_one_blas_thread(client, rng, monkeypatch):
+    """The driver's own products (the candidates' small Cholesky) run on one BLAS thread
+    while a dask fit runs (BLAS's idle threads spin on cores the workers need); the
+    process's threads are back afterwards, also when the fit fails."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from dkicf import pivoting
+
+    def blas_threads():
+        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+    X = da.from_array(rng.normal(size=(3000, 4)), chunks=1000)
+    seen, real = set(), pivoting.greedy_block
+
+    def greedy_block(*args, **kw):
+        seen.update(blas_threads())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pivoting, "greedy_block", greedy_block)
+    with threadpool_limits(2, user_api="blas"):
+        if blas_threads() != {2}:
+            pytest.skip("needs a BLAS that can run two threads")
+        result = incomplete_cholesky(X, gamma=0.5, max_rank=20, tol=0, client=client,
+                                     pivoting="block-greedy")
+        assert result.rank == 20 and seen == {1}
+        assert blas_threads() == {2}
+
+        def failing(*a, **k):
+            raise FloatingPointError("no pivot")
+
+        monkeypatch.setattr(pivoting, "greedy_block", failing)
+        with pytest.raises(FloatingPointError, match="no pivot"):
+            incomplete_cholesky(X, gamma=0.5, max_rank=20, tol=0, client=client,
+                                pivoting="block-greedy")
+        assert blas_threads() == {2}
+
+
 def test_even_bounds_cover_the_rows_in_equal_shares():
     from dkicf._backends import _even_bounds
 
