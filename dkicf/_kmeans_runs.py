@@ -145,6 +145,12 @@ def _initial_centers(cfg: _Config, rng: np.random.Generator, sample, candidates)
     return np.asarray(centers, dtype=np.float64), variance
 
 
+def _import_reclustering() -> None:
+    """Import what reclusters the candidates (scikit-learn's k-means, 1-2 s the first time
+    in a process), while the workers draw them."""
+    import sklearn.cluster  # noqa: F401
+
+
 def _oversample(backend, k: int, seeds: list, pos: _Position) -> list:
     """The candidates of k-means|| (Bahmani et al. 2012) and their weights, for several runs.
 
@@ -165,7 +171,7 @@ def _oversample(backend, k: int, seeds: list, pos: _Position) -> list:
     first = np.array([rng.integers(backend.n) for rng in rngs])
     keys = [[int(rng.integers(np.iinfo(np.int64).max)) for rng in rngs]
             for _ in range(_PARALLEL_ROUNDS)]
-    cands, counts = backend.parallel_candidates(first, ell, keys)
+    cands, counts = backend.parallel_candidates(first, ell, keys, meanwhile=_import_reclustering)
     out = []
     for (_, fill), c, w in zip(seeds, cands, counts):
         w = w.astype(np.float64)

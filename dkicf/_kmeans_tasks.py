@@ -547,9 +547,10 @@ class KMeansBackend(ChunkBackend, Protocol):
     def full_pass(self, centers: np.ndarray):
         """Per chunk: labels (kept where the chunk lives), inertia and counts."""
 
-    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list):
+    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list, meanwhile=None):
         """k-means|| for several runs: their candidates and the rows nearest to each
-        (see :func:`_parallel_rounds`); one read of P per round."""
+        (see :func:`_parallel_rounds`); one read of P per round.  ``meanwhile()``,
+        if given, runs in the driver while the rounds do (or before them)."""
 
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
         """Up to ``k`` distinct rows per chunk (the check that k fits P)."""
@@ -621,7 +622,9 @@ class _NumpyBackend:
         parts = [_state_counts(st, sizes) for st in state]
         return [np.sum([part[r] for part in parts], axis=0) for r in range(len(sizes))]
 
-    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list):
+    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list, meanwhile=None):
+        if meanwhile is not None:  # the rounds run in this thread's calls: nothing to overlap
+            meanwhile()
         return _parallel_rounds(self, first, ell, keys)
 
     def distinct(self, k: int, direction: np.ndarray) -> list[np.ndarray]:
@@ -776,7 +779,7 @@ class _DaskBackend:
         )
         return labels, stats
 
-    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list):
+    def parallel_candidates(self, first: np.ndarray, ell: float, keys: list, meanwhile=None):
         """k-means|| as one graph: every round's passes, sums and draws, sent at once.
 
         The tasks are those of :func:`_parallel_rounds`, one per group of
@@ -814,6 +817,8 @@ class _DaskBackend:
         counts = [submit(_group_counts, u, sizes, key=f"{name}-counts-{g}")
                   for g, u in enumerate(updated)]
         total = submit(_sum_counts, counts, key=f"{name}-counts")
+        if meanwhile is not None:
+            meanwhile()  # while the workers run the rounds
         cands, total = self.client.gather([cands, total])
         return self._checked(cands), total
 
