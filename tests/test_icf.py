@@ -533,6 +533,47 @@ def test_dask_fit_runs_the_driver_s_products_on_one_blas_thread(client, rng, mon
         assert blas_threads() == {2}
 
 
+_IN_PROCESS_AFTER_POOL = """
+import sys
+import numpy as np
+import dask.array as da
+from distributed import Client, LocalCluster
+from dkicf import incomplete_cholesky
+
+X = np.random.default_rng(3).normal(size=(40_000, 6))
+incomplete_cholesky(X, gamma=0.3, max_rank=120, tol=0)  # the numpy backend's thread pool
+with LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                  dashboard_address=None) as cluster, Client(cluster) as client:
+    r = incomplete_cholesky(da.from_array(X, chunks=5_000), gamma=0.3, max_rank=120, tol=0,
+                            client=client, pivoting="block-greedy")
+    np.save(sys.argv[1], np.asarray(r.P))
+"""
+
+
+def test_in_process_workers_after_a_numpy_fit_compute_as_process_workers(client, tmp_path):
+    """In a process where the numpy backend's pool has run, OpenBLAS 0.3.31 ignores limits
+    set from other threads; the driver's limit, set from its own thread for the whole fit,
+    still holds in-process workers to one BLAS thread: P is bit for bit that of workers in
+    processes of their own (127,216 entries differed in the last bit before)."""
+    import subprocess
+    import sys
+
+    from dkicf import _backends
+
+    if _backends._cpu_count() < 2:
+        pytest.skip("the numpy backend runs a thread pool on two cores or more")
+    out = tmp_path / "P.npy"
+    # A process that started nannies holds their thread variables (OMP_NUM_THREADS=1, ...):
+    # the subprocess starts as a user's would, its BLAS with a thread per core.
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    subprocess.run([sys.executable, "-c", _IN_PROCESS_AFTER_POOL, str(out)], check=True,
+                   timeout=120, capture_output=True, env=env)
+    X = np.random.default_rng(3).normal(size=(40_000, 6))
+    ref = incomplete_cholesky(da.from_array(X, chunks=5_000), gamma=0.3, max_rank=120, tol=0,
+                              client=client, pivoting="block-greedy")
+    np.testing.assert_array_equal(np.load(out), np.asarray(ref.P))
+
+
 def test_even_bounds_cover_the_rows_in_equal_shares():
     from dkicf._backends import _even_bounds
 
