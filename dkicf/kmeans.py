@@ -171,8 +171,7 @@ default="k-means||"
         max_no_improvement, init_size, progress,
     )
     checkpoint_every = _check_run_args(checkpoint, checkpoint_every, resume, overwrite, persist)
-    seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max,
-                                                         size=cfg.n_init)
+    seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max, size=cfg.n_init)
     workers = None if plan is None else plan.workers
     backend = _backend(P, client, persist, None if workers is None else workers.limits)
     pos, ckpt = _Position(cfg.n_init), None
@@ -182,10 +181,7 @@ default="k-means||"
                 backend, P, cfg, _seed_fingerprint(random_state, seeds), checkpoint,
                 checkpoint_every, resume, overwrite, storage_options,
             )
-        # The driver's own products (mini-batch steps, the seeding) are small: BLAS's
-        # other threads, woken by each, would spin after it on the cores that the
-        # workers (or the numpy backend's pool threads) compute on.
-        with threadpool_limits(1):
+        with threadpool_limits(1):  # the driver's small products: see icf._run_loop
             return _fit(backend, cfg, seeds, progress, ckpt, pos)
     except worker_failure_types() as exc:
         raise _failure(exc, pos, ckpt, checkpoint) from exc
