@@ -58,9 +58,9 @@ def empty_columns(n: int, cols: int, populate: bool = True) -> np.ndarray:
     much as the pass on a virtual machine.  ``populate=False`` leaves the
     first touch to the caller (who may spread it over threads).
 
-    The page size is the system's: no huge pages are asked for.  Where the
-    guest hands freed memory back to its host, a fresh 2 MiB page cost
-    2.5-2.8 ms per MB to fault in, against 0.4 ms per MB in 4 KiB pages.
+    The page size is the system's: no huge pages are asked for.  On a
+    virtual machine whose guest hands freed memory back to its host, fresh
+    2 MiB pages took 2.0-2.8 ms per MB to fault in, 4 KiB pages 0.4-1.0 ms.
     """
     nbytes = 8 * n * cols
     if nbytes < _MAPPED_BYTES:

@@ -215,10 +215,12 @@ def _run_loop(backend, rule, kernel, n, d, capacity, tol, rank_tol, progress, st
     """The rule's driver loop on ``backend``; a worker failure becomes dkicf's error.
 
     With dask, the driver's own products (the candidates' small Cholesky)
-    run on one BLAS thread: its other threads, woken by each product, spin
-    for a while after it on cores that the workers (or, on one machine,
-    the scheduler and the workers) need.  The numpy backend limits BLAS
-    itself when it runs a thread pool.
+    run on one BLAS thread: BLAS's other threads, woken by each product,
+    spin for a while after it on cores that the workers need.  Held from
+    the driver's thread, the limit also holds in-process workers to one
+    BLAS thread where OpenBLAS ignores limits set from their threads (see
+    docs/checkpoints.md).  The numpy backend limits BLAS itself when it
+    runs a thread pool.
     """
     limit = threadpool_limits(1) if isinstance(backend, DaskBackend) else nullcontext()
     with limit:
