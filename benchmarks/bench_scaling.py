@@ -42,6 +42,9 @@ plus the set-up before the first pass (copying X into the fit's own
 memory, the kernel diagonal, the first summary) and the end (the result
 arrays).  Transfers during the factorization are counted by key (X, state,
 other) and their bytes printed; X or P moving between workers is a bug.
+The CPU seconds of the driver's process are split by thread (main, dask's
+event loop, unnamed threads such as BLAS's): BLAS threads that spin after
+the driver's small products show up there.
 
 The breakdown predicts other worker counts: the compute (a + b, in worker
 seconds) divides by W, the driver's share (c) does not, so
@@ -428,6 +431,7 @@ class _CpuClock:
         self.roles.setdefault(scheduler, "scheduler")  # in the driver's process: "driver"
         self.procs = [me, *me.children(recursive=True)]
         self.before = self._now()
+        self.threads_before = _thread_cpu()
 
     def _now(self) -> dict:
         out = {}
@@ -444,6 +448,35 @@ class _CpuClock:
             role = self.roles.get(pid, "other")
             used[role] = used.get(role, 0.0) + t - self.before.get(pid, t)
         return used
+
+    def driver_threads(self) -> dict:
+        """CPU seconds of the driver's own threads since the start, by kind: its main
+        thread, dask's event loop (the client, and a local scheduler and nannies), and
+        the rest (threads without a Python name are BLAS's or other libraries')."""
+        after = _thread_cpu()
+        kinds: dict[str, float] = {}
+        for tid, (name, t) in after.items():
+            kind = ("main" if name == "MainThread" else "event loop" if name == "IO loop"
+                    else "unnamed (BLAS, ...)" if name is None else "other Python threads")
+            kinds[kind] = kinds.get(kind, 0.0) + t - self.threads_before.get(tid, (name, t))[1]
+        return kinds
+
+
+def _thread_cpu() -> dict:
+    """``{thread id: (Python name or None, CPU seconds)}`` of this process's threads (Linux;
+    empty elsewhere)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[int(tid)] = (names.get(int(tid)), (int(fields[11]) + int(fields[12])) / tick)
+    return out
 
 
 # The k-means' tasks by what they do, from their keys' names (first match).
@@ -481,21 +514,27 @@ def say_kmeans_phases(rows: dict) -> None:
                      f"{serial:.2f} s not divided between the workers; T(16) ~ "
                      f"{serial + ph['worker_s'] / 16:.2f} s")
         say(line)
+        if ph.get("driver_threads"):
+            say("    the driver's threads, CPU seconds: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in sorted(ph["driver_threads"].items()) if v >= 0.005))
         if ph.get("kinds"):
             order = [label for _, label in _KMEANS_KINDS] + ["other"]
             say("    its tasks by kind, worker-seconds: " + ", ".join(
                 f"{label} {ph['kinds'][label]:.2f}" for label in order if label in ph["kinds"]))
 
 
-def say_cpu(used: dict, wall: float, W: int) -> None:
-    """CPU seconds of the factorization by process, and the wall time they bound on this
-    machine's cores."""
+def say_cpu(used: dict, wall: float, W: int, threads: dict | None = None) -> None:
+    """CPU seconds of the factorization by process (and the driver's by thread), and the
+    wall time they bound on this machine's cores."""
     cores = len(os.sched_getaffinity(0))
     total = sum(used.values())
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(used.items()))
     say(f"  CPU seconds of the factorization, W = {W}: {parts}; in all {total:.2f} over "
         f"{wall:.2f} s of wall time ({total / wall:.2f} of {cores} cores busy on average); "
         f"on {cores} cores it cannot take less than {total / cores:.2f} s")
+    if threads:
+        say("    the driver's threads: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(threads.items()) if v >= 0.005))
 
 
 def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_worker: int,
@@ -520,10 +559,11 @@ def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_wo
             res = incomplete_cholesky(X, gamma=gamma, max_rank=s, tol=0.0, client=client)
             t_icf = time.perf_counter() - t0
             t_end = time.time()
-            cpu_used = cpu.used()
+            cpu_used, cpu_threads = cpu.used(), cpu.driver_threads()
         if prof is not None:
             _print_profile(prof, f"W = {W}")
-        out = {"icf": t_icf, "pivots": res.pivots, "passes": res.n_passes, "cpu": cpu_used}
+        out = {"icf": t_icf, "pivots": res.pivots, "passes": res.n_passes, "cpu": cpu_used,
+               "cpu_threads": cpu_threads}
         if want_breakdown:
             incoming = [e for log in client.run(_incoming_log).values() for e in log]
             out["breakdown"] = breakdown(ts.data, clock.events, W, t_start, t_end, incoming,
@@ -531,9 +571,11 @@ def run_dask(n: int, d: int, W: int, s: int, gamma: float, k: int, chunks_per_wo
         if with_kmeans:
             with get_task_stream(client) as kts:
                 clock = _KMeansClock()
+                cpu = _CpuClock(client)
                 km = kmeans(res.P, k, random_state=0, client=client, progress=clock)
                 out["kmeans"] = time.perf_counter() - clock.t0
             out["kmeans_phases"] = clock.phases(out["kmeans"])
+            out["kmeans_phases"]["driver_threads"] = cpu.driver_threads()
             kinds = kmeans_task_kinds(kts.data)
             out["kmeans_phases"]["worker_s"] = sum(kinds.values())
             out["kmeans_phases"]["kinds"] = kinds
@@ -583,7 +625,7 @@ def scaling(n: int, s: int, d: int, gamma: float, workers: list[int], chunks_per
                                       placement=placement)
         if want_breakdown:
             totals[W] = print_breakdown(r["breakdown"], f"W = {W}")
-        say_cpu(r["cpu"], r["icf"], W)
+        say_cpu(r["cpu"], r["icf"], W, r.get("cpu_threads"))
     if shared_too and max(workers) > 4:
         # The largest W again, scheduler and nannies in the driver's process (a LocalCluster).
         W = max(workers)
