@@ -6,6 +6,7 @@ import os
 import dask.array as da
 import numpy as np
 import pytest
+from _blas import blas_threads, check_driver_steps_run_one_blas_thread
 
 from dkicf import incomplete_cholesky as _incomplete_cholesky
 from dkicf.kernels import GaussianKernel, make_kernel
@@ -463,12 +464,9 @@ def test_numpy_passes_run_one_blas_thread_where_it_pays_and_restore_the_limit(
     (a few thousand rows), block passes run one BLAS thread (BLAS's own threads made
     them many times slower) and one-pivot passes keep BLAS's threads.  The process's
     limit is back afterwards, also when the set-up fails."""
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     from dkicf import _backends, _chunk
-
-    def blas_threads():
-        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
 
     monkeypatch.setattr(_backends, "_cpu_count", lambda: 2)
     X = rng.normal(size=(2 * _chunk.ROW_BLOCK + 10 if pool else 600, 3))
@@ -500,37 +498,14 @@ def test_dask_fit_runs_the_driver_s_products_on_one_blas_thread(client, rng, mon
     """The driver's own products (the candidates' small Cholesky) run on one BLAS thread
     while a dask fit runs (BLAS's idle threads spin on cores the workers need); the
     process's threads are back afterwards, also when the fit fails."""
-    from threadpoolctl import threadpool_info, threadpool_limits
-
     from dkicf import pivoting
 
-    def blas_threads():
-        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
-
     X = da.from_array(rng.normal(size=(3000, 4)), chunks=1000)
-    seen, real = set(), pivoting.greedy_block
-
-    def greedy_block(*args, **kw):
-        seen.update(blas_threads())
-        return real(*args, **kw)
-
-    monkeypatch.setattr(pivoting, "greedy_block", greedy_block)
-    with threadpool_limits(2, user_api="blas"):
-        if blas_threads() != {2}:
-            pytest.skip("needs a BLAS that can run two threads")
-        result = incomplete_cholesky(X, gamma=0.5, max_rank=20, tol=0, client=client,
-                                     pivoting="block-greedy")
-        assert result.rank == 20 and seen == {1}
-        assert blas_threads() == {2}
-
-        def failing(*a, **k):
-            raise FloatingPointError("no pivot")
-
-        monkeypatch.setattr(pivoting, "greedy_block", failing)
-        with pytest.raises(FloatingPointError, match="no pivot"):
-            incomplete_cholesky(X, gamma=0.5, max_rank=20, tol=0, client=client,
-                                pivoting="block-greedy")
-        assert blas_threads() == {2}
+    result = check_driver_steps_run_one_blas_thread(
+        monkeypatch, pivoting, "greedy_block",
+        lambda: incomplete_cholesky(X, gamma=0.5, max_rank=20, tol=0, client=client,
+                                    pivoting="block-greedy"))
+    assert result.rank == 20
 
 
 _IN_PROCESS_AFTER_POOL = """

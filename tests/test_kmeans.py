@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _blas import check_driver_steps_run_one_blas_thread
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.metrics import adjusted_rand_score
 
@@ -263,37 +264,14 @@ def test_the_driver_s_products_run_on_one_blas_thread(km_client, on_dask, monkey
     """Mini-batch steps in the driver run on one BLAS thread (BLAS's idle threads would
     spin on the cores of the workers or of the pool's threads); the process's threads
     are back afterwards, also when the fit fails."""
-    from threadpoolctl import threadpool_info, threadpool_limits
-
     from dkicf import _kmeans_runs
-
-    def blas_threads():
-        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
 
     X = overlapping(sum(UNEVEN))
     P = as_dask(X, UNEVEN) if on_dask else X
-    seen, real = set(), _kmeans_runs._minibatch_step
-
-    def step(*args, **kw):
-        seen.update(blas_threads())
-        return real(*args, **kw)
-
-    monkeypatch.setattr(_kmeans_runs, "_minibatch_step", step)
-    with threadpool_limits(2, user_api="blas"):
-        if blas_threads() != {2}:
-            pytest.skip("needs a BLAS that can run two threads")
-        kmeans(P, 5, batch_size=50, max_iter=5, random_state=0,
-               client=km_client if on_dask else None)
-        assert seen == {1} and blas_threads() == {2}
-
-        def failing(*a, **k):
-            raise FloatingPointError("no step")
-
-        monkeypatch.setattr(_kmeans_runs, "_minibatch_step", failing)
-        with pytest.raises(FloatingPointError, match="no step"):
-            kmeans(P, 5, batch_size=50, max_iter=5, random_state=0,
-                   client=km_client if on_dask else None)
-        assert blas_threads() == {2}
+    check_driver_steps_run_one_blas_thread(
+        monkeypatch, _kmeans_runs, "_minibatch_step",
+        lambda: kmeans(P, 5, batch_size=50, max_iter=5, random_state=0,
+                       client=km_client if on_dask else None))
 
 
 def test_reclustering_is_imported_while_the_workers_draw_the_candidates(km_client, monkeypatch):
