@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _chunk, _services
-from ._candidates import chunk_block_stats, same_request
+from ._candidates import chunk_block_stats, match_rows, same_request, taken_rows, top_share
 from ._cluster import get_client
 from ._factor import History, PivotBlock
 from ._memory import (
@@ -610,14 +610,14 @@ class DaskBackend:
             found = self._rows_from(parts, index)
             if found is not None:
                 return found
-        have, take = _match_rows(parts, index)
+        have, take = match_rows(parts, index)
         # Only the rows the pass did not bring are fetched (a tie at the
         # largest residual puts most candidates in the lowest-indexed chunk).
         fetched = self._fetch_rows(index[~have])
         if take is None:
             return fetched
         out = []
-        for got, held in zip(fetched, _taken(parts, take)):
+        for got, held in zip(fetched, taken_rows(parts, take)):
             if got is not None:
                 whole = np.empty((index.shape[0], *got.shape[1:]), dtype=got.dtype)
                 whole[~have], whole[have] = got, held
@@ -653,10 +653,10 @@ class DaskBackend:
     def _rows_from(self, parts: list, index: np.ndarray):
         """The rows at ``index`` from the chunks' largest residuals fetched with the last
         pass (:func:`~dkicf._chunk.chunk_top_rows`), or None if one is missing there."""
-        have, take = _match_rows(parts, index)
+        have, take = match_rows(parts, index)
         if take is None or not have.all():
             return None
-        return _taken(parts, take)
+        return taken_rows(parts, take)
 
     def apply(
         self, block: PivotBlock, history: History, m: int = 1, stash: int = 0,
@@ -731,7 +731,7 @@ class DaskBackend:
         """What the update tasks send of the next candidate request (None: nothing).
 
         For the largest residuals, each chunk sends about twice its share
-        of them (:func:`_top_share`): the sum over the chunks stays small
+        of them (:func:`~dkicf._candidates.top_share`): the sum over the chunks stays small
         however many there are, and the driver asks again in full only
         when a chunk held more of them than it sent (see
         :func:`~dkicf.pivoting.gather_candidates`).
@@ -740,7 +740,7 @@ class DaskBackend:
 
         count = len(self.states)
         if request.rule == "top" and request.count:
-            share = _top_share(request.count + 1, max(self.chunks), self.n)
+            share = top_share(request.count + 1, max(self.chunks), self.n)
             request = replace(request, limit=share)
             entries = share * count
         else:
@@ -934,39 +934,6 @@ class DaskBackend:
                 self.client.cancel(futures)
             except Exception:  # pragma: no cover - the cluster itself is gone
                 return
-
-
-def _match_rows(parts: list | None, index: np.ndarray):
-    """Which of ``index`` the rows fetched with a pass hold, and where.
-
-    ``parts``: :func:`~dkicf._chunk.chunk_top_rows` answers (global rows
-    first), or None.  Returns ``(have, take)``: a mask over ``index``, and
-    the positions of the held ones in the concatenated parts (None if none
-    is held).
-    """
-    have = np.zeros(index.shape[0], dtype=bool)
-    if not parts:
-        return have, None
-    where = np.concatenate([p[0] for p in parts])
-    if where.shape[0] == 0:
-        return have, None
-    order = np.argsort(where, kind="stable")
-    pos = np.minimum(np.searchsorted(where[order], index), where.shape[0] - 1)
-    have = where[order][pos] == index
-    return have, (order[pos[have]] if have.any() else None)
-
-
-def _taken(parts: list, take: np.ndarray) -> tuple:
-    """``(x, aux, p, e)`` rows at positions ``take`` of the concatenated ``parts``
-    (:func:`_match_rows`); aux None where the kernel has none."""
-    return tuple(None if parts[0][k] is None else np.concatenate([p[k] for p in parts])[take]
-                 for k in range(1, 5))
-
-
-def _top_share(count: int, rows: int, n: int) -> int:
-    """Largest residuals a chunk of ``rows`` of ``n`` sends of the ``count`` largest overall:
-    twice its share, and at least 64 more."""
-    return int(min(count, math.ceil(2 * count * rows / max(n, 1)) + 64))
 
 
 def _stash_share(count: int, rows: int, n: int) -> int:

@@ -11,6 +11,7 @@ driver side of the rules is in :mod:`dkicf.pivoting`.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -266,3 +267,36 @@ def accept_uniforms(key, draw: int, count: int) -> np.ndarray:
     """The rejection step's uniforms of a draw (driver side, independent of chunking)."""
     bitgen = np.random.Philox(key=key, counter=[0, 0, _STREAM_ACCEPT, draw])
     return _uniform01(bitgen.random_raw(count))
+
+
+def match_rows(parts: list | None, index: np.ndarray):
+    """Which of ``index`` the rows fetched with a pass hold, and where.
+
+    ``parts``: :func:`~dkicf._chunk.chunk_top_rows` answers (global rows
+    first), or None.  Returns ``(have, take)``: a mask over ``index``, and
+    the positions of the held ones in the concatenated parts (None if none
+    is held).
+    """
+    have = np.zeros(index.shape[0], dtype=bool)
+    if not parts:
+        return have, None
+    where = np.concatenate([p[0] for p in parts])
+    if where.shape[0] == 0:
+        return have, None
+    order = np.argsort(where, kind="stable")
+    pos = np.minimum(np.searchsorted(where[order], index), where.shape[0] - 1)
+    have = where[order][pos] == index
+    return have, (order[pos[have]] if have.any() else None)
+
+
+def taken_rows(parts: list, take: np.ndarray) -> tuple:
+    """``(x, aux, p, e)`` rows at positions ``take`` of the concatenated ``parts``
+    (:func:`match_rows`); aux None where the kernel has none."""
+    return tuple(None if parts[0][k] is None else np.concatenate([p[k] for p in parts])[take]
+                 for k in range(1, 5))
+
+
+def top_share(count: int, rows: int, n: int) -> int:
+    """Largest residuals a chunk of ``rows`` of ``n`` sends of the ``count`` largest overall:
+    twice its share, and at least 64 more."""
+    return int(min(count, math.ceil(2 * count * rows / max(n, 1)) + 64))
