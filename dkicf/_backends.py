@@ -77,8 +77,11 @@ class FactorBackend(ChunkBackend, Protocol):
     pool: Any
     n_threads: int
 
-    def summary(self, m: int = 1, first: bool = False) -> dict:
-        """Trace of the residual diagonal, its ``m`` largest entries and their rows."""
+    def summary(self, m: int = 1, first: bool = False, ahead=None) -> dict:
+        """Trace of the residual diagonal, its ``m`` largest entries and their rows.
+
+        ``ahead = (rank, request)``: what the next candidate request will be, which
+        a backend may fetch with the summary (a dask round trip saved)."""
 
     def rows(self, index: np.ndarray) -> tuple:
         """Rows of X (float64), kernel aux values, rows of P and residuals at ``index``."""
@@ -169,7 +172,7 @@ class NumpyBackend:
         """The thread pool of the passes (None with one thread): idle between passes."""
         return self._pool
 
-    def summary(self, m: int = 1, first: bool = False) -> dict:
+    def summary(self, m: int = 1, first: bool = False, ahead=None) -> dict:
         return _chunk.chunk_stats(self.state, m, self.X, rows=True)
 
     def rows(self, index: np.ndarray):
@@ -454,12 +457,34 @@ class DaskBackend:
         # task that uses it and every pass reads X afresh.
         return self._x_lazy[j]
 
-    def summary(self, m: int = 1, first: bool = False) -> dict:
-        futs = self._map(
-            "stats", _chunk.chunk_stats, self.states, m, self._xs(), True,
-            each=(True, False, True, False),
-        )
-        return _merge_summaries(self._gather(futs), m)
+    def summary(self, m: int = 1, first: bool = False, ahead: tuple | None = None) -> dict:
+        """The global summary; ``ahead = (rank, request)``: its tasks also send what the
+        next :func:`~dkicf.pivoting.gather_candidates` at ``rank`` asks for, as an
+        :meth:`apply` with ``prefetch`` does (X held on the workers only)."""
+        prefetch = None
+        if ahead is not None and self.persist:
+            prefetch = self._prefetch_request(ahead[0], ahead[0], ahead[1])
+        if prefetch is None:
+            futs = self._map(
+                "stats", _chunk.chunk_stats, self.states, m, self._xs(), True,
+                each=(True, False, True, False),
+            )
+            return _merge_summaries(self._gather(futs), m)
+        limit = prefetch[2].limit
+        in_result = bool(limit) and self._report_bytes(limit, ahead[0]) <= _REPORT_ROW_BYTES
+        futs = self._map("stats", _chunk.chunk_stats_ahead, self.states, m, self._xs(),
+                         prefetch, in_result, each=(True, False, True, False, False))
+        rows = None
+        if limit and not in_result:
+            rows = self._map("top-rows", _chunk.chunk_top_rows, self._xs(), self.states, limit,
+                             each=(True, True, False))
+        parts = self._gather(futs)
+        self._prefetched = (prefetch, [p.pop("block_stats") for p in parts])
+        if in_result:
+            tops = [p.pop("top_rows") for p in parts]
+            rows = [tuple(top.get(k) for k in _chunk._TOP_ROWS) for top in tops]
+        self._rows_ahead = rows
+        return _merge_summaries(parts, m)
 
     def _wait(self, futures) -> None:
         """Wait until ``futures`` are done (finished or failed).

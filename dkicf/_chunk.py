@@ -728,14 +728,33 @@ def chunk_update(
     if report is not None:
         summary = new.cache
         if prefetch is not None:
-            stats = chunk_block_stats(x, new, new.offset, *prefetch)
-            summary = {**summary, **{f"block_stats.{k}": v for k, v in stats.items()}}
-            if send_rows and prefetch[2].limit:
-                top = chunk_top_rows(x, new, prefetch[2].limit)
-                summary.update({f"top_rows.{k}": v for k, v in zip(_TOP_ROWS, top)
-                                if v is not None})
+            summary = {**summary, **{f"{group}.{k}": v
+                                     for group, part in _ahead(x, new, prefetch, send_rows).items()
+                                     for k, v in part.items()}}
         report_summary(report, summary)
     return new
+
+
+def _ahead(x, state: ChunkState, prefetch: tuple, send_rows: bool) -> dict:
+    """What a task sends of the next candidate request: ``block_stats`` (its
+    :func:`~dkicf.pivoting.chunk_block_stats`) and, with ``send_rows``, ``top_rows``
+    (:func:`chunk_top_rows` as a dict keyed by :data:`_TOP_ROWS`)."""
+    out = {"block_stats": chunk_block_stats(x, state, state.offset, *prefetch)}
+    if send_rows and prefetch[2].limit:
+        top = chunk_top_rows(x, state, prefetch[2].limit)
+        out["top_rows"] = {k: v for k, v in zip(_TOP_ROWS, top) if v is not None}
+    return out
+
+
+def chunk_stats_ahead(state: ChunkState, m: int, x, prefetch: tuple, send_rows: bool) -> dict:
+    """:func:`chunk_stats` with the rows, and :func:`_ahead` for the first candidate request.
+
+    The set-up's summary then brings what the block loop's first gather and
+    row fetch would ask for: one round trip to the workers before the first
+    pass instead of three.
+    """
+    x = materialize(x)
+    return {**chunk_stats(state, m, x, rows=True), **_ahead(x, state, prefetch, send_rows)}
 
 
 def _update_stored(x, state: ChunkState, e: np.ndarray, block: PivotBlock) -> ChunkState:

@@ -445,13 +445,13 @@ def _block_loop(
     (:func:`_block_state`), so that a resumed run chooses the same blocks.
     """
     start = time.perf_counter()
-    summary = backend.summary(1, first=True)
+    rule.size_blocks(_rows_per_task(backend, n), backend.task_bytes)
+    summary = backend.summary(1, first=True, ahead=_first_request(rule, storage))
     initial_trace = summary["trace"]
     max_diag = float(summary["values"][0]) if summary["values"].size else 0.0
     roundoff = kernel.roundoff(summary.get("max_sqnorm", 0.0), d)
     if rank_tol is None:
         rank_tol = _EPS * max_diag * max(n, roundoff)
-    rule.size_blocks(_rows_per_task(backend, n), backend.task_bytes)
     history = History(kernel, capacity, d)
     trace_errors: list[float] = []
     blocks: list[tuple[int, int, str]] = []  # (candidates, pivots, why the block ended)
@@ -540,6 +540,16 @@ def _block_loop(
             "block_sizes": [b for _, b, _ in blocks], "blocks": blocks}
     return _result(history, r, P, residual, trace_errors, kernel, initial_trace, stop,
                    summary, start, info)
+
+
+def _first_request(rule, storage) -> tuple | None:
+    """``(rank, request)`` of the block loop's first gather, for the set-up's summary to
+    bring along, where the summary cannot change it: a fit that starts at rank 0 (not
+    resumed) with a rule that asks for the largest residuals.  Else None."""
+    if storage is not None and storage.driver_state is not None:
+        return None
+    request = rule.request(0, 0.0)  # "top" requests do not depend on the rank threshold
+    return (0, request) if request.rule == "top" and request.count else None
 
 
 def _apply_block(backend, rule, block, history, single_next: bool, rank_tol) -> dict:

@@ -260,7 +260,9 @@ def test_dask_takes_the_numpy_blocks_and_one_round_trip_fewer_per_pass(
     pivoting, client, rng, map_names
 ):
     """The block sizes do not depend on the backend, and the update tasks return the next
-    candidates: the candidate statistics are mapped over the chunks for the first pass only."""
+    candidates.  The set-up's summary brings block greedy's first candidates too, so its
+    statistics are never mapped over the chunks; RPCholesky's first request depends on
+    the rank threshold, which that summary gives, so they are mapped for its first pass."""
     maps = map_names
     X = rng.normal(size=(6000, 5))
     kw = {"gamma": 0.3, "max_rank": 150, "tol": 0, "pivoting": pivoting, "random_state": 3}
@@ -271,7 +273,9 @@ def test_dask_takes_the_numpy_blocks_and_one_round_trip_fewer_per_pass(
     np.testing.assert_array_equal(res.pivots, ref.pivots)
     np.testing.assert_allclose(res.P.compute(), ref.P, rtol=0, atol=1e-10)
     assert maps.count("update") == len(res.info["block_sizes"])
-    assert [m for m in maps if m.startswith("chunk_block_stats")] == ["chunk_block_stats-1"]
+    mapped = [m for m in maps if m.startswith("chunk_block_stats")]
+    assert mapped == ([] if pivoting == "block-greedy" else ["chunk_block_stats-1"])
+    assert maps.count("stats") == 1
 
 
 def test_block_size_memory_rule_counts_a_slice_of_rows_unless_p_is_in_zarr():
@@ -644,18 +648,19 @@ def test_tied_candidates_cost_no_second_ask_and_only_missing_rows_are_fetched(
     res = incomplete_cholesky(Xd, client=client, **kw)
     np.testing.assert_array_equal(res.pivots, incomplete_cholesky(X, **kw).pivots)
     blocks = [size for size, _, why in res.info["blocks"] if why != "single"]
-    assert len(blocks) >= 3 and fetched[0] == blocks[0]  # the first block's rows: all fetched
+    assert len(blocks) >= 3
     assert len(complete) >= len(blocks) and all(complete)  # no chunk asked again
-    # Later blocks: fewer rows fetched than candidates (the rest came with the pass).
-    assert any(0 < f < blocks[0] for f in fetched[1:]), (fetched, blocks)
+    # Fewer rows fetched than candidates, the first block's too: the rest came with the
+    # set-up's summary or with the pass.
+    assert fetched and all(0 < f < blocks[0] for f in fetched), (fetched, blocks)
 
 
 @pytest.mark.parametrize("carried", ["report", "tasks"])
 def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names, carried):
     """With X held on the workers, each pass also fetches its chunks' largest residuals'
     rows, and the driver takes the candidates' rows from them: no task after the choice,
-    and the same fit.  The rows come in the update's report, or from tasks that follow
-    the update where they are too large for it."""
+    and the same fit.  The rows come in the update's report (the set-up's summary's
+    result), or from tasks that follow it where they are too large for it."""
     from dkicf import _backends
     from dkicf._backends import DaskBackend
 
@@ -680,11 +685,13 @@ def test_candidate_rows_come_with_the_pass(client, rng, monkeypatch, map_names, 
     tried = [why for _, _, why in res.info["blocks"] if why != "single"]
     assert len(tried) >= 3
     if carried == "tasks":
-        assert len(tried) <= map_names.count("top-rows") <= map_names.count("update")
+        # One map beside the set-up's summary, and one after each pass before a block.
+        assert len(tried) <= map_names.count("top-rows") <= map_names.count("update") + 1
     else:
         assert "top-rows" not in map_names
-    # The first block's candidate rows come from tasks, every later block's from a pass.
-    assert served == [True] * (len(tried) - 1)
+    # The first block's candidate rows come with the set-up's summary, every later
+    # block's with a pass.
+    assert served == [True] * len(tried)
 
 
 def test_a_state_selects_its_largest_residuals_once_per_pass(rng, monkeypatch):
