@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -496,6 +497,33 @@ def test_chunk_data_that_does_not_decode_is_an_error_naming_the_rows(tmp_path):
                                            rf"{tmp_path / 'd.zarr' / 'X'}: the chunk data does "
                                            r"not decode .*restore it"):
         X.compute(scheduler="synchronous")
+
+
+@pytest.mark.parametrize("kw, stored", [
+    ({"chunks": (10, 2)}, [10, 2]),
+    ({"chunks": (10, 2), "shards": (20, 2)}, [20, 2]),  # the shards are the stored grid
+    ({"chunks": (10, 2), "zarr_format": 2}, [10, 2]),
+])
+def test_the_chunk_grid_is_checked_as_the_store_writes_it(tmp_path, kw, stored):
+    """The declared chunk lengths come from the stored metadata document, not from the
+    opened array: newer zarr versions read an invalid length (0) as a valid one when
+    they open the array, which would slip past the check."""
+    from dkicf.io._checks import _stored_grid
+
+    arr = zarr.create_array(store=str(tmp_path / "a.zarr"), shape=(40, 2), dtype="f8", **kw)
+    assert _stored_grid(arr) == stored
+    name = ".zarray" if kw.get("zarr_format") == 2 else "zarr.json"
+    doc_path = tmp_path / "a.zarr" / name
+    doc = json.loads(doc_path.read_text())
+    if name == ".zarray":
+        doc["chunks"] = [0, 2]
+    else:
+        doc["chunk_grid"]["configuration"]["chunk_shape"] = [0, 2]
+    doc_path.write_text(json.dumps(doc))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zarr 3.4 warns that it reads the 0 as 1
+        reopened = zarr.open_array(str(tmp_path / "a.zarr"), mode="r")
+    assert _stored_grid(reopened) == [0, 2]
 
 
 def test_zero_chunks_and_label_values_of_the_wrong_type_are_refused(tmp_path):

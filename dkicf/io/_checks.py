@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -207,14 +208,45 @@ def _check_present(arr: zarr.Array, url: str, counts: list[int], n_objects: int,
                     "does not match the data)"))
 
 
+def _stored_grid(arr: zarr.Array) -> list | None:
+    """The array's regular chunk grid (its shards' where sharded) as its stored metadata
+    document writes it, or None where there is no such document or grid.
+
+    Newer zarr versions read some invalid lengths (0, say) as valid ones when
+    they open an array, and warn; the document tells what was written.
+    """
+    from zarr.core.buffer import default_buffer_prototype
+
+    v3 = arr.metadata.zarr_format == 3
+    name = "zarr.json" if v3 else ".zarray"
+    path = arr.store_path.path
+    try:
+        buf = sync(arr.store_path.store.get(f"{path}/{name}" if path else name,
+                                            prototype=default_buffer_prototype()))
+        doc = None if buf is None else json.loads(buf.to_bytes())
+    except (OSError, ValueError):  # unreadable here: the opened array's grid is checked
+        return None
+    if not isinstance(doc, dict):
+        return None
+    if not v3:
+        grid = doc.get("chunks")
+    else:
+        spec = doc.get("chunk_grid")
+        config = spec.get("configuration") if isinstance(spec, dict) else None
+        regular = isinstance(config, dict) and spec.get("name") == "regular"
+        grid = config.get("chunk_shape") if regular else None
+    return grid if isinstance(grid, list) else None
+
+
 def _check_extent(arr: zarr.Array, url: str, *, every_chunk: bool) -> None:
     """Refuse metadata that claims more than the store holds or this machine can plan for."""
     # Runs before anything sized by the metadata is built (a shape of 10**13
     # rows would exhaust memory building its graph).  Objects are chunks, or
     # shards; with every_chunk they are counted in the store (_check_present).
-    grid = getattr(arr, "shards", None) or arr.chunks
+    stored = _stored_grid(arr)
+    grid = stored if stored is not None else (getattr(arr, "shards", None) or arr.chunks)
     if len(grid) != len(arr.shape) or not all(
-        isinstance(c, int) and 1 <= c <= _MAX_LENGTH for c in grid
+        isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= _MAX_LENGTH for c in grid
     ) or not all(isinstance(s, int) and 0 <= s <= _MAX_LENGTH for s in arr.shape):
         raise DkicfIOError(
             f"refusing {url}: its metadata declares chunks {tuple(grid)} for shape "
