@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _pyproject() -> dict:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
+    import tomllib
+
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
@@ -25,6 +21,16 @@ def _requirements(names) -> dict:
         req = Requirement(text)
         found[req.name] = req
     return found
+
+
+def test_the_python_floor_is_one_the_zarr_floor_installs_on():
+    """zarr 3.0 and later need Python 3.11: declaring 3.10 let pip on 3.10 fail to find
+    zarr instead of saying that dkicf needs a newer Python."""
+    from packaging.specifiers import SpecifierSet
+
+    python = SpecifierSet(_pyproject()["project"]["requires-python"])
+    assert not python.contains("3.10.14") and python.contains("3.11.0")
+    assert python.contains("3.12.1") and python.contains("3.13.0")
 
 
 def test_zarr_floor_allows_only_versions_with_atomic_local_commits():
