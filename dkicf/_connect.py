@@ -274,10 +274,11 @@ def _connect_hint(protocol: str, message: str, security: Security | None) -> str
         )
     if any(
         sign in message
-        for sign in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "EOF occurred")
+        for sign in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "EOF occurred",
+                     "Connection reset by peer")
     ):
-        # With TLS 1.3 the scheduler's refusal may arrive as an alert or as a
-        # closed connection, depending on timing.
+        # With TLS 1.3 the scheduler's refusal may arrive as an alert, as a closed
+        # connection or (seen with Python 3.13) as a reset one, depending on timing.
         return (
             f"The scheduler ended the TLS handshake: most likely it refused this client's "
             f"certificate (--tls-cert {security.tls_client_cert}; is it signed by a CA the "

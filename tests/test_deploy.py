@@ -313,6 +313,21 @@ def test_scheduler_file_that_never_appears(tmp_path):
         connect(scheduler_file=missing, timeout=0.5)
 
 
+@pytest.mark.parametrize("message, hint", [
+    ("[SSL: TLSV1_ALERT_UNKNOWN_CA] tlsv1 alert unknown ca", "refused this client's certificate"),
+    ("EOF occurred in violation of protocol", "refused this client's certificate"),
+    # How the same refusal reached a client under Python 3.13.
+    ("in <TLS (closed)>: ConnectionResetError: [Errno 104] Connection reset by peer",
+     "refused this client's certificate"),
+    ("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed", "not signed by the CA"),
+    ("Timed out trying to connect", "Check that --tls-ca-file holds the CA"),
+])
+def test_a_refused_tls_connection_names_the_likely_cause(pki, message, hint):
+    from dkicf._connect import _connect_hint
+
+    assert hint in _connect_hint("tls", message, _security(pki, "client"))
+
+
 def test_connect_argument_errors(pki):
     with pytest.raises(ValueError, match="exactly one"):
         connect()
