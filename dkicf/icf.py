@@ -556,15 +556,18 @@ def _apply_block(backend, rule, block, history, single_next: bool, rank_tol) -> 
     """The pass of ``block``; its update tasks also return what the next gather asks for.
 
     That is the new columns' sums after a block of several pivots and the
-    candidates unless a lone pivot comes next, saving a round trip on dask.
-    After one pivot the pass's own trace is the trace error: no column sums.
+    candidates unless a lone pivot or no block (the capacity is reached) comes
+    next, saving a round trip on dask.  After one pivot the pass's own trace
+    is the trace error: no column sums.
     """
     i, b = block.rank, block.index.shape[0]
     if single_next and b == 1:
         return backend.apply(block, history, 1, stash=0, prefetch=None)
     nxt = (i + 1, i + 1) if b == 1 else (i, i + b)
-    request = _NO_CANDIDATES if single_next else rule.request(i + b, rank_tol)
-    return backend.apply(block, history, 1, stash=0 if single_next else rule.stash(i + b),
+    # After a block that fills the capacity no block follows: its column sums alone.
+    none_next = single_next or i + b >= history.index.shape[0]
+    request = _NO_CANDIDATES if none_next else rule.request(i + b, rank_tol)
+    return backend.apply(block, history, 1, stash=0 if none_next else rule.stash(i + b),
                          prefetch=(*nxt, request))
 
 

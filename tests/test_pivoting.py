@@ -278,6 +278,29 @@ def test_dask_takes_the_numpy_blocks_and_one_round_trip_fewer_per_pass(
     assert maps.count("stats") == 1
 
 
+def test_the_pass_that_fills_the_capacity_asks_for_no_candidates(client, rng, monkeypatch):
+    """No block follows the one that reaches max_rank: its update tasks send its column
+    sums, not the next candidates and their rows, and the fit is the numpy backend's."""
+    from dkicf._backends import DaskBackend
+
+    asked = []
+    real = DaskBackend.apply
+
+    def spy(self, block, history, m=1, stash=0, prefetch=None):
+        asked.append((block.rank + block.index.shape[0],
+                      None if prefetch is None else prefetch[2].count, stash))
+        return real(self, block, history, m, stash=stash, prefetch=prefetch)
+
+    monkeypatch.setattr(DaskBackend, "apply", spy)
+    X = rng.normal(size=(6000, 5))
+    kw = {"gamma": 0.3, "max_rank": 150, "tol": 0}
+    res = incomplete_cholesky(da.from_array(X, chunks=(3000, 5)), client=client, **kw)
+    np.testing.assert_array_equal(res.pivots, incomplete_cholesky(X, **kw).pivots)
+    assert res.stop_reason == "max_rank" and asked[-1][0] == 150
+    assert asked[-1][1:] == (0, 0)  # the column sums alone, nothing stashed
+    assert any(count for _, count, _ in asked[:-1])  # earlier passes did send candidates
+
+
 def test_block_size_memory_rule_counts_a_slice_of_rows_unless_p_is_in_zarr():
     """In-memory updates work a slice at a time into P's full-rank buffer, so a dask chunk
     of half a million rows caps blocks as the numpy backend does; a Zarr-backed chunk
@@ -313,10 +336,12 @@ def test_large_candidate_requests_are_mapped_not_sent_as_events(
     stats = [m for m in maps if m.startswith("chunk_block_stats")]
     # One map before each pass that needs candidates or the column sums of the block
     # before it (a block of several pivots; after one pivot the pass's trace is the
-    # trace error), and one for the last block's sums.
+    # trace error).  The last block's sums come with its pass: it reaches max_rank, so
+    # no candidates are asked after it, and the sums alone fit the budget.
     blocks = res.info["blocks"]
+    assert res.stop_reason == "max_rank" and blocks[-1][1] > 1
     wanted = sum(why != "single" or (j and blocks[j - 1][1] > 1)
-                 for j, (_, _, why) in enumerate(blocks)) + (blocks[-1][1] > 1)
+                 for j, (_, _, why) in enumerate(blocks))
     assert blocks[0][1] == 1 and blocks[1][2] == "single"  # a pass that needs no map
     assert len(stats) == wanted
 
