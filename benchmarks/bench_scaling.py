@@ -328,7 +328,8 @@ def print_breakdown(bd: dict, label: str) -> dict:
     tot = {k: sum(p[k] for p in ps) for k in ("wall", "all_busy", "stragglers", "send",
                                                "collect", "select", "rows", "other",
                                                "transfer", "work")}
-    driver = tot["send"] + tot["collect"] + tot["select"] + tot["rows"] + tot["other"]
+    per_pass = [p["send"] + p["collect"] + p["select"] + p["rows"] + p["other"] for p in ps]
+    driver = sum(per_pass)
     wall = tot["wall"] or 1.0
     say(f"  total {tot['wall']:.3f} s in {len(ps)} passes: (a) all busy {tot['all_busy']:.3f} "
         f"({tot['all_busy'] / wall:.0%}), (b) stragglers {tot['stragglers']:.3f} "
@@ -342,7 +343,6 @@ def print_breakdown(bd: dict, label: str) -> dict:
     tr = bd["transfers"]
     say("  transfers between workers during the factorization: "
         + ", ".join(f"{k} {c} ({b / 2**20:.1f} MiB)" for k, (c, b) in tr.items()))
-    per_pass = [p["send"] + p["collect"] + p["select"] + p["rows"] + p["other"] for p in ps]
     return {**tot, "driver": driver, "n_passes": len(ps), "driver_per_pass": per_pass,
             "setup": bd["setup"],
             "setup_work": bd["setup_work"], "end": bd["end"],

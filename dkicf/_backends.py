@@ -474,17 +474,27 @@ class DaskBackend:
         in_result = bool(limit) and self._report_bytes(limit, ahead[0]) <= _REPORT_ROW_BYTES
         futs = self._map("stats", _chunk.chunk_stats_ahead, self.states, m, self._xs(),
                          prefetch, in_result, each=(True, False, True, False, False))
-        rows = None
-        if limit and not in_result:
-            rows = self._map("top-rows", _chunk.chunk_top_rows, self._xs(), self.states, limit,
-                             each=(True, True, False))
+        self._rows_ahead = self._top_rows_tasks(limit) if limit and not in_result else None
         parts = self._gather(futs)
-        self._prefetched = (prefetch, [p.pop("block_stats") for p in parts])
-        if in_result:
-            tops = [p.pop("top_rows") for p in parts]
-            rows = [tuple(top.get(k) for k in _chunk._TOP_ROWS) for top in tops]
-        self._rows_ahead = rows
+        self._keep_ahead(parts, prefetch, in_result)
         return _merge_summaries(parts, m)
+
+    def _top_rows_tasks(self, limit: int) -> list:
+        """Tasks that hold each chunk's ``limit`` largest residuals' rows, for :meth:`rows`
+        to gather (where they are too large to travel with a report)."""
+        return self._map("top-rows", _chunk.chunk_top_rows, self._xs(), self.states, limit,
+                         each=(True, True, False))
+
+    def _keep_ahead(self, parts: list, prefetch, with_rows: bool) -> None:
+        """Take what the tasks sent of the next request out of their ``parts``: the
+        candidate statistics for :meth:`map_chunks`, and, ``with_rows``, the candidates'
+        rows for :meth:`rows`."""
+        stats = [p.pop("block_stats", None) for p in parts]
+        if prefetch is not None and all(st is not None for st in stats):
+            self._prefetched = (prefetch, stats)
+        tops = [p.pop("top_rows", None) for p in parts]
+        if with_rows and all(top is not None for top in tops):
+            self._rows_ahead = [tuple(top.get(k) for k in _chunk._TOP_ROWS) for top in tops]
 
     def _wait(self, futures) -> None:
         """Wait until ``futures`` are done (finished or failed).
@@ -724,23 +734,14 @@ class DaskBackend:
             None if inbox is None else prefetch, in_report,
             each=(True, True, False, True, True, False, False),
         )
-        self._rows_ahead = None
-        if ahead and not in_report:
-            self._rows_ahead = self._map(
-                "top-rows", _chunk.chunk_top_rows, self._xs(), self.states, prefetch[2].limit,
-                each=(True, True, False),
-            )
+        self._rows_ahead = (self._top_rows_tasks(prefetch[2].limit)
+                            if ahead and not in_report else None)
         parts = None if inbox is None else inbox.collect(self.step, self.states)
         self._settle()
         if parts is None:
             summary = self.summary(m)
         else:
-            stats = [p.pop("block_stats", None) for p in parts]
-            if prefetch is not None and all(st is not None for st in stats):
-                self._prefetched = (prefetch, stats)
-            rows = [p.pop("top_rows", None) for p in parts]
-            if in_report and all(r is not None for r in rows):
-                self._rows_ahead = [tuple(r.get(k) for k in _chunk._TOP_ROWS) for r in rows]
+            self._keep_ahead(parts, prefetch, in_report)
             inbox.trim(_REPORT_BYTES_KEPT)
             summary = _merge_summaries(parts, m)
         if self.step - self._last_rebase >= self.rebase_every:
