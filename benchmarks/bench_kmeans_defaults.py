@@ -103,10 +103,10 @@ def _measure(kw, rounds, oversampling, factors, seeds, far_seeds, big):
         spent = [0.0]
         real = _kmeans_tasks._NumpyBackend.parallel_candidates
 
-        def timed(self, *args):
+        def timed(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return real(self, *args)
+                return real(self, *args, **kwargs)
             finally:
                 spent[0] += time.perf_counter() - t0
 
@@ -137,6 +137,7 @@ def main(argv=None) -> None:
         ("k-means|| with l = k, 3 rounds", {}, 3, 1),
         ("k-means++ on a sample, 5", {"init": "k-means++"}, 3, 2),
         ("3 restarts", {"n_init": 3}, 3, 2),
+        ("lloyd from k-means|| (no mini-batch steps), 5", {"algorithm": "lloyd"}, 3, 2),
     ]
     if args.quick:
         settings = settings[2:4]
