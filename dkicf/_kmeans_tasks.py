@@ -58,17 +58,16 @@ def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
     )
 
 
-def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None, cross=None,
+def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, cross=None,
              width: int | None = None):
     """Nearest centre of each row (ties to the lowest index) and the squared distance to it.
 
     ``||x||^2 - 2 x.c + ||c||^2`` in float64, clamped at 0 (rounding can make a
-    point at a centre slightly negative).  ``x_sq``: the rows' ``||x||^2``, when
-    the caller already has them; ``cross``: the products ``x.c``, when the
-    caller computed them (k-means|| does, in float32).  ``width``: the
-    centres are consecutive groups of ``width`` (several runs' centres side
-    by side, in one product); the labels (within each group) and distances
-    are then ``(rows, groups)``.
+    point at a centre slightly negative).  ``cross``: the products ``x.c``, when
+    the caller computed them (the labels pass does, reading P by columns).
+    ``width``: the centres are consecutive groups of ``width`` (several runs'
+    centres side by side, in one product); the labels (within each group)
+    and distances are then ``(rows, groups)``.
     """
     # This thread's scratch block: a fresh one would fault in new pages in a worker.
     d = scratch("kmeans-distances", (x.shape[0], centers.shape[0]))
@@ -78,7 +77,7 @@ def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray, x_sq=None, cr
         np.copyto(d, cross)
     d *= -2.0
     d += c_sq
-    d += (np.einsum("ij,ij->i", x, x) if x_sq is None else x_sq)[:, None]
+    d += np.einsum("ij,ij->i", x, x)[:, None]
     if width is not None:
         d = d.reshape(x.shape[0], -1, width)
         labels = np.argmin(d, axis=2)
@@ -300,12 +299,13 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
     candidates so far; ``cands[r]`` are run ``r``'s new candidates (possibly
     none), numbered from ``firsts[r]``.  The chunk is read once for all runs,
     with one matrix product per run (so that a run's distances do not depend
-    on which runs share the pass).  The products are float32 (half the time
-    of float64, the pass's main cost): the distances only weigh the draws and
-    the candidates, and the runs' Lloyd passes are float64.  A row moves to a new
-    candidate only if strictly nearer (ties to the lowest number, as an
-    argmin over all of them).  Returns the new states and each run's sum of
-    squared distances.
+    on which runs share the pass).  The distances only weigh the draws and
+    the candidates (the runs' Lloyd passes are float64), so they are formed
+    in float32, as the products are: ``||c||^2 - 2 x.c`` for every candidate
+    (half the time of float64, the pass's main cost), and ``||x||^2`` added in
+    float64 to the nearest one only.  A row moves to a new candidate only if
+    strictly nearer (ties to the lowest number, as an argmin over all of
+    them).  Returns the new states and each run's sum of squared distances.
     """
     n = p.shape[0]
     if states is None:
@@ -313,8 +313,9 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
     # Only the runs with new candidates change: the others keep their arrays.
     new = [(d2.copy(), label.copy()) if c.shape[0] else (d2, label)
            for (d2, label), c in zip(states, cands)]
-    c_sq = [np.einsum("ij,ij->i", c, c) for c in cands]
-    c32 = [c.astype(np.float32) for c in cands]
+    # -2 c is exact in float32 as c is: the product then gives -2 x.c as it would x.c.
+    scaled = [(-2.0 * c).astype(np.float32) for c in cands]
+    c_sq = [np.einsum("ij,ij->i", c, c).astype(np.float32)[:, None] for c in cands]
     # A Fortran-ordered P is read as it lies: its rows go to float32 held
     # transposed (a copy along its columns), and each product is the short,
     # wide candidates x rows^T, not a transposing copy of the rows and a tall,
@@ -323,23 +324,44 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
     for lo, hi, x in _row_blocks(p, offset, max(c.shape[0] for c in cands), check,
                                  views=by_columns):
         x_sq = np.einsum("ij,ij->i", x, x)
-        shape = x.shape[::-1] if by_columns else x.shape
-        x32 = scratch("kmpar-rows", shape, np.float32)
+        x32 = scratch("kmpar-rows", x.shape[::-1] if by_columns else x.shape, np.float32)
         np.copyto(x32, x.T if by_columns else x, casting="same_kind")
+        rows_t = x32 if by_columns else x32.T
         for r, (d2, label) in enumerate(new):
-            if cands[r].shape[0] == 0:
-                continue
-            if by_columns:
-                cross = scratch("kmpar-cross", (c32[r].shape[0], x.shape[0]), np.float32)
-                cross = np.matmul(c32[r], x32, out=cross).T
-            else:
-                cross = scratch("kmpar-cross", (x.shape[0], c32[r].shape[0]), np.float32)
-                np.matmul(x32, c32[r].T, out=cross)
-            near, dist = _nearest(x, cands[r], c_sq[r], x_sq, cross=cross)
-            better = dist < d2[lo:hi]
-            d2[lo:hi][better] = dist[better]
-            label[lo:hi][better] = near[better] + firsts[r]
+            if cands[r].shape[0]:
+                near, dist = _nearest_candidate(scaled[r], c_sq[r], rows_t, x_sq)
+                better = dist < d2[lo:hi]
+                np.copyto(d2[lo:hi], dist, where=better)
+                np.copyto(label[lo:hi], near + firsts[r], where=better)
     return new, [float(d2.sum()) for d2, _ in new]
+
+
+def _nearest_candidate(scaled: np.ndarray, c_sq: np.ndarray, rows_t: np.ndarray,
+                       x_sq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's nearest candidate (ties to the lowest index) and its squared distance.
+
+    ``scaled`` is ``-2 c`` (float32, candidates by rows), ``c_sq`` their
+    ``||c||^2`` (float32 column), ``rows_t`` the rows transposed (float32,
+    features by rows) and ``x_sq`` their ``||x||^2`` (float64).  The minimum
+    over the candidates is taken along the long axis, a vectorised pass per
+    candidate, and the first candidate that reaches it found the same way:
+    no argmin over each row's few candidates, which costs more than the
+    product at 20 candidates.
+    """
+    m, rows = scaled.shape[0], rows_t.shape[1]
+    part = np.matmul(scaled, rows_t, out=scratch("kmpar-cross", (m, rows), np.float32))
+    part += c_sq
+    least = np.minimum.reduce(part, axis=0, out=scratch("kmpar-least", (rows,), np.float32))
+    # The first candidate at the minimum: the largest of (m - j) where it is reached.
+    reached = np.equal(part, least, out=scratch("kmpar-reached", (m, rows), np.bool_))
+    weight = np.arange(m, 0, -1, dtype=np.int32)[:, None]
+    near = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
+        "kmpar-first", (m, rows), np.int32)), axis=0)
+    near = (m - near).astype(np.int64)
+    dist = least.astype(np.float64)
+    dist += x_sq
+    np.maximum(dist, 0.0, out=dist)  # rounding can make a row at a candidate slightly negative
+    return near, dist
 
 
 def _uniform(key: int, index: np.ndarray) -> np.ndarray:

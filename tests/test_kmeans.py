@@ -674,6 +674,29 @@ def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     assert_array_equal(taken, rows[[5, 0, 199]])
 
 
+def test_kmeans_parallel_update_takes_the_lowest_numbered_of_tied_candidates(rng):
+    """k-means||'s float32 distances find each row's nearest candidate as a float64 argmin
+    would: where two candidates are the same row, always the lower number; elsewhere
+    the exact nearest one, and its squared distance to float32's precision."""
+    from dkicf import _kmeans_tasks
+
+    centres = rng.normal(scale=5.0, size=(3, 12))
+    p = np.asfortranarray(centres[rng.integers(0, 3, 5000)] + rng.normal(size=(5000, 12)))
+    two = p[[10, 20]] + 0.5
+    cands = np.concatenate([two, two, centres])  # 0 and 2, 1 and 3 are the same row
+    for q in (p, np.ascontiguousarray(p)):
+        ((d2, label),), (total,) = _kmeans_tasks._chunk_nearest_update(q, 0, None, [cands], [7])
+        exact = ((q[:, None, :] - cands[None]) ** 2).sum(-1)
+        assert set(np.unique(label)) <= {7, 8, 11, 12, 13}  # never the repeats 9 and 10
+        ordered = np.sort(exact, axis=1)
+        clear = ordered[:, 1] - ordered[:, 0] > 1e-3 * ordered[:, 0]  # no near tie
+        clear |= np.isin(exact.argmin(1), [0, 1])  # a tie between a pair's copies only
+        assert clear.mean() > 0.99
+        np.testing.assert_array_equal(label[clear], exact.argmin(1)[clear] + 7)
+        np.testing.assert_allclose(d2, exact.min(1), rtol=1e-5, atol=1e-3)
+        assert total == pytest.approx(exact.min(1).sum(), rel=1e-6)
+
+
 def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng):
     """k-means||'s update and the labels pass read a factorization's P (rows of a
     Fortran-ordered buffer) by columns: each row's nearest candidate and its distance are
