@@ -110,23 +110,44 @@ def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
 _GATHER_ROWS = 4096
 
 
-def _take_rows(p, local: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def _take_rows(p, local: np.ndarray, out: np.ndarray | None = None, pool=None) -> np.ndarray:
     """Rows ``local`` of a chunk as a C-ordered float64 array (written into ``out`` if given).
 
     A Fortran-ordered chunk (a factorization's P) is read column by column,
     each a contiguous run: fancy indexing its rows would visit every column
     once per row, several times slower.  With ``out`` the rows go there a
     few thousand at a time, without a temporary the size of the whole
-    (a fresh large array costs its page faults on every fetch).
+    (a fresh large array costs its page faults on every fetch), and rows
+    asked in no order (a mini-batch fetch) are read in increasing order and
+    put in their places: each column is then read forwards, not at random
+    (1.8x faster on a factorization's P of 10^6 x 150).  ``pool``: threads
+    that gather the pieces side by side.
     """
     fortran = isinstance(p, np.ndarray) and p.ndim == 2 and p.strides[0] == p.itemsize
     if out is None:
         if fortran:
             return np.ascontiguousarray(p.T[:, local].T, dtype=np.float64)
         return np.asarray(p[local], dtype=np.float64).reshape(len(local), p.shape[1])
-    for a in range(0, local.shape[0], _GATHER_ROWS):
-        piece = local[a:a + _GATHER_ROWS]
-        out[a:a + piece.shape[0]] = p.T[:, piece].T if fortran else p[piece]
+    if local.shape[0] > 1 and not (local[1:] >= local[:-1]).all():
+        order = np.argsort(local, kind="stable")
+        ranked = local[order]
+    else:
+        order, ranked = None, local
+
+    def piece(a: int) -> None:
+        rows = ranked[a:a + _GATHER_ROWS]
+        taken = p.T[:, rows].T if fortran else p[rows]
+        if order is None:
+            out[a:a + rows.shape[0]] = taken
+        else:
+            out[order[a:a + rows.shape[0]]] = taken
+
+    starts = range(0, local.shape[0], _GATHER_ROWS)
+    if pool is None or len(starts) < 2:
+        for a in starts:
+            piece(a)
+    else:
+        list(pool.map(piece, starts))
     return out
 
 
@@ -621,7 +642,7 @@ class _NumpyBackend:
             return list(self.pool.map(one, blocks))
 
     def rows(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return _take_rows(self.P, np.asarray(index, dtype=np.int64), out)
+        return _take_rows(self.P, np.asarray(index, dtype=np.int64), out, self.pool)
 
     # P was checked for NaN and infinity on entry (check_array_2d): check=False.
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:

@@ -674,6 +674,28 @@ def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     assert_array_equal(taken, rows[[5, 0, 199]])
 
 
+def test_fetched_rows_asked_in_no_order_land_in_their_places(rng):
+    """A mini-batch fetch (rows in no order, repeated) is gathered in increasing order,
+    in pieces, on threads or not, and each row lands where it was asked: the rows
+    P[index] exactly, from a factorization's column-major P or a C-ordered one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dkicf._kmeans_tasks import _GATHER_ROWS, _take_rows
+
+    P = np.asfortranarray(rng.normal(size=(30_000, 7)))
+    index = rng.integers(0, P.shape[0], 3 * _GATHER_ROWS + 17)
+    index[:5] = [9, 9, 0, 29_999, 9]
+    with ThreadPoolExecutor(2) as pool:
+        for q in (P, np.ascontiguousarray(P), P[1000:]):
+            want = q[index % q.shape[0]]
+            for threads in (None, pool):
+                out = np.full((index.shape[0] + 3, q.shape[1]), np.nan)
+                got = _take_rows(q, index % q.shape[0], out[:index.shape[0]], threads)
+                assert got.base is out or got is out or np.shares_memory(got, out)
+                assert_array_equal(got, want)
+                assert np.isnan(out[index.shape[0]:]).all()  # nothing past the fetch
+
+
 def test_kmeans_parallel_update_takes_the_lowest_numbered_of_tied_candidates(rng):
     """k-means||'s float32 distances find each row's nearest candidate as a float64 argmin
     would: where two candidates are the same row, always the lower number; elsewhere
