@@ -334,7 +334,7 @@ def _chunk_nearest_update(p, offset: int, states, cands: list, firsts: list,
     # Only the runs with new candidates change: the others keep their arrays.
     new = [(d2.copy(), label.copy()) if c.shape[0] else (d2, label)
            for (d2, label), c in zip(states, cands)]
-    # -2 c is exact in float32 as c is: the product then gives -2 x.c as it would x.c.
+    # -2 c in float32 is exactly -2 times c in float32: the product is -2 x.c, rounded as x.c.
     scaled = [(-2.0 * c).astype(np.float32) for c in cands]
     c_sq = [np.einsum("ij,ij->i", c, c).astype(np.float32)[:, None] for c in cands]
     # A Fortran-ordered P is read as it lies: its rows go to float32 held
@@ -378,7 +378,7 @@ def _nearest_candidate(scaled: np.ndarray, c_sq: np.ndarray, rows_t: np.ndarray,
     weight = np.arange(m, 0, -1, dtype=np.int32)[:, None]
     near = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
         "kmpar-first", (m, rows), np.int32)), axis=0)
-    near = (m - near).astype(np.int64)
+    near = (m - near).astype(np.int64)  # m where a row reached none (NaN): never better
     dist = least.astype(np.float64)
     dist += x_sq
     np.maximum(dist, 0.0, out=dist)  # rounding can make a row at a candidate slightly negative

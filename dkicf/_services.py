@@ -10,9 +10,9 @@ unstick or diagnose a pass that waits.
 from __future__ import annotations
 
 import contextlib
-import math
 import functools
 import hashlib
+import math
 import threading
 from typing import Any, Protocol, runtime_checkable
 
