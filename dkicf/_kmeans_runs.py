@@ -125,16 +125,20 @@ def _initial_centers(cfg: _Config, rng: np.random.Generator, sample, candidates)
     ``candidates()`` and uses the sample only for the variance, which
     scales ``tol``.  ``rng`` is the generator that drew the sample.
     """
-    from sklearn.cluster import KMeans, kmeans_plusplus
-
     variance = float(np.mean(np.var(sample, axis=0)))
     if not isinstance(cfg.init, str):
         return cfg.init.copy(), variance
     seed = int(rng.integers(2**31 - 1))
     if cfg.init == "k-means++":
+        from sklearn.cluster import kmeans_plusplus
+
         centers, _ = kmeans_plusplus(sample, cfg.n_clusters, random_state=seed)
         return np.asarray(centers, dtype=np.float64), variance
     cands, weights = candidates()
+    # Imported once the candidates are asked for: the first import in a process
+    # takes 1-2 s, which k-means|| overlaps with its passes (_import_reclustering).
+    from sklearn.cluster import KMeans, kmeans_plusplus
+
     # One weighted k-means++ start and Lloyd on the candidates: more starts
     # there find the candidates' own optimum, which every run then shares
     # (on the rings, the wrong basin); the runs' diversity matters more.

@@ -674,6 +674,32 @@ def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     assert_array_equal(taken, rows[[5, 0, 199]])
 
 
+def test_scikit_learn_is_imported_while_the_k_means_parallel_passes_run():
+    """The first import of scikit-learn's k-means in a process (1-2 s) overlaps the
+    k-means|| passes: it has not happened when they are sent, and has after the fit."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import numpy as np
+from dkicf import kmeans, _kmeans_tasks as kt
+assert "sklearn.cluster" not in sys.modules
+seen = []
+sent = kt._NumpyBackend.parallel_candidates
+def watched(self, *args, **kwargs):
+    seen.append("sklearn.cluster" in sys.modules)
+    return sent(self, *args, **kwargs)
+kt._NumpyBackend.parallel_candidates = watched
+kmeans(np.random.default_rng(0).normal(size=(500, 4)), 3, random_state=0)
+print(seen, "sklearn.cluster" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[False]", "True"]
+
+
 def test_fetched_rows_asked_in_no_order_land_in_their_places(rng):
     """A mini-batch fetch (rows in no order, repeated) is gathered in increasing order,
     in pieces, on threads or not, and each row lands where it was asked: the rows
