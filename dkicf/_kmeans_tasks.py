@@ -710,10 +710,18 @@ class _DaskBackend:
             _check_fits(self.client, P, limits)
             # Chunks that arrived by a transfer (P made from a numpy array, for one)
             # are copied once where they are into memory the worker allocated; the
-            # others are kept as they are.
-            held = self.client.compute(list(P.to_delayed().ravel()))
-            self.blocks = [self.client.submit(_held_rows, f, key=f"kmeans-p-{self.token}-{j}")
-                           for j, f in enumerate(held)]
+            # others are kept as they are, under their own keys: a second key for the
+            # same array would count it twice in the workers' memory (dask sizes a
+            # key by its array's bytes), and a factorization's P taking a quarter of
+            # the workers' memory would then be spilled to disk and read back.
+            held = _chunk_futures(P, self.client) or self.client.compute(
+                list(P.to_delayed().ravel()))
+            as_is = self.client.gather(self.client.map(
+                _held_as_is, held, key=[f"kmeans-as-is-{self.token}-{j}"
+                                        for j in range(len(held))]))
+            self.blocks = [f if keep else self.client.submit(
+                _aligned, f, key=f"kmeans-p-{self.token}-{j}")
+                for j, (f, keep) in enumerate(zip(held, as_is))]
             del held
         else:
             # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
@@ -895,18 +903,58 @@ class _DaskBackend:
         self.blocks = None
 
 
-def _held_rows(x):
-    """A chunk of P as the passes keep it: itself if contiguous or a block of rows of a
-    Fortran-ordered matrix (a factorization's P), aligned; else :func:`_aligned`'s copy.
+def _chunk_futures(P, client) -> list | None:
+    """The futures that hold P's row chunks, where its graph only renames them (a
+    factorization's P: each chunk an alias of a future on the workers); else None.
+
+    Computing such a chunk would run the renaming as a task, whose result (the
+    same array) a worker keeps under a new key and counts again in its memory.
+    """
+    from distributed import Future
+
+    graph = dict(P.__dask_graph__())
+    found = []
+    for key in (k[0] if isinstance(k, list) else k for k in P.__dask_keys__()):
+        value = graph.get(key)
+        for _ in range(len(graph)):
+            target = getattr(value, "target", None)  # an alias (dask's task spec)
+            if target is not None and not isinstance(value, Future):
+                value = graph.get(target)
+            elif not isinstance(value, Future) and _hashable(value) and value in graph:
+                value = graph[value]  # a plain reference to another key
+            else:
+                break
+        if not isinstance(value, Future) or value.client is not client:
+            return None
+        found.append(value)
+    return found
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _held_as_is(x) -> bool:
+    """Whether the passes keep a chunk of P as it is: contiguous, or a block of rows of a
+    Fortran-ordered matrix (a factorization's P), aligned (else :func:`_aligned` copies it).
 
     The passes copy their row blocks into C order themselves (:func:`_row_blocks`),
-    so a Fortran-ordered chunk costs no copy of the whole chunk here.
+    so a Fortran-ordered chunk costs no copy of the whole chunk.
     """
-    if (isinstance(x, np.ndarray) and x.ndim == 2 and x.strides[0] == x.itemsize
-            and x.ctypes.data % 16 == 0 and x.strides[1] % 16 == 0
-            and x.strides[1] >= x.shape[0] * x.itemsize):
-        return x
-    return _aligned(x)
+    if not (isinstance(x, np.ndarray) and x.ndim == 2 and x.ctypes.data % 16 == 0):
+        return False
+    return bool(x.flags.c_contiguous or x.flags.f_contiguous or (
+        x.strides[0] == x.itemsize and x.strides[1] % 16 == 0
+        and x.strides[1] >= x.shape[0] * x.itemsize))
+
+
+def _held_rows(x):
+    """A chunk of P as the passes keep it: itself (:func:`_held_as_is`) or an aligned copy."""
+    return x if _held_as_is(x) else _aligned(x)
 
 
 def _check_fits(client, P, limits: list[int] | None = None) -> None:

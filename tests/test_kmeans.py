@@ -417,6 +417,45 @@ def test_chunkings_agree(km_client, algorithm):
         assert res.n_iter == first.n_iter
 
 
+def _managed_bytes(dask_worker=None) -> int:
+    """On a worker: the bytes dask counts for the keys it holds in memory."""
+    return sum(dask_worker.state.tasks[k].nbytes or 0 for k in dask_worker.data
+               if k in dask_worker.state.tasks)
+
+
+def test_dask_kmeans_holds_a_factorization_s_p_once(km_client):
+    """A factorization's P reaches the k-means as aliases of the futures that hold it:
+    the k-means's passes read those futures, and no worker keeps the same array under a
+    second key, which dask would count twice and spill to disk before the workers fill
+    up.  A P whose chunks need computing still gets its own keys."""
+    import dask.array as da
+
+    from dkicf import incomplete_cholesky
+    from dkicf._kmeans_tasks import _DaskBackend
+
+    X = da.from_array(blobs(sizes=(400, 300, 500, 400))[0], chunks=(400, 3))
+    res = incomplete_cholesky(X, gamma=0.05, max_rank=30, client=km_client)
+    graph = dict(res.P.__dask_graph__())
+    holders = [k for k, v in graph.items() if type(v).__name__ == "Future"]
+    before = sum(km_client.run(_managed_bytes).values())
+    backend = _DaskBackend(res.P, km_client)
+    try:
+        assert sorted(b.key for b in backend.blocks) == sorted(holders)
+        labels, _ = backend.full_pass(np.zeros((2, res.P.shape[1])))
+        assert labels.shape == (res.P.shape[0],)
+        after = sum(km_client.run(_managed_bytes).values())
+        assert after - before < res.P.nbytes / 4  # the passes' small results, not P again
+    finally:
+        backend.close()
+    lazy = da.from_array(np.asarray(res.P), chunks=(500, -1))
+    backend = _DaskBackend(lazy, km_client)
+    try:
+        assert not {b.key for b in backend.blocks} & set(holders)
+        assert_allclose(backend.rows(np.arange(0, 1600, 7)), np.asarray(res.P)[::7])
+    finally:
+        backend.close()
+
+
 def test_dask_empty_cluster_matches_numpy(km_client):
     X, y = blobs(sizes=(100, 100, 100, 100))
     init = np.concatenate([X[y == 0][:1], X[y == 1][:1], [[1000.0] * 3, [-1000.0] * 3]])
