@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from ._services import (
     LazyChunk,
     _aligned,
     chunk_digest,
+    chunk_futures,
     materialize,
     scratch,
     threadpool_limits,
@@ -701,6 +703,7 @@ class _DaskBackend:
 
         self.token = uuid.uuid4().hex
         self.client = get_client(client)
+        self._lock = threading.Lock()
         if P.numblocks[1] != 1:
             P = P.rechunk({1: -1})
         self.n, self.s = (int(v) for v in P.shape)
@@ -714,22 +717,34 @@ class _DaskBackend:
             # same array would count it twice in the workers' memory (dask sizes a
             # key by its array's bytes), and a factorization's P taking a quarter of
             # the workers' memory would then be spilled to disk and read back.
-            held = _chunk_futures(P, self.client) or self.client.compute(
+            self._held = chunk_futures(P, self.client) or self.client.compute(
                 list(P.to_delayed().ravel()))
-            as_is = self.client.gather(self.client.map(
-                _held_as_is, held, key=[f"kmeans-as-is-{self.token}-{j}"
-                                        for j in range(len(held))]))
-            self.blocks = [f if keep else self.client.submit(
-                _aligned, f, key=f"kmeans-p-{self.token}-{j}")
-                for j, (f, keep) in enumerate(zip(held, as_is))]
-            del held
+            self._blocks = None  # which chunks to copy is asked with the first pass
         else:
             # Each task reads its chunk from P's source (e.g. Zarr) and lets it go.
-            self.blocks = LazyChunk.row_chunks(P)
+            self._held, self._blocks = None, LazyChunk.row_chunks(P)
         # P's rows are checked for NaN and infinity by the first full pass
         # only: on 2 cores the check took as long as a Lloyd pass's own work.
         self._check = True
         self._persist, self._grouping = persist, None
+
+    @property
+    def blocks(self) -> list:
+        """P's chunks as the passes read them: futures in worker memory (or lazy chunks).
+
+        Found on first use, inside the caller's handling of workers that die:
+        a chunk is kept under its own key (:func:`_held_as_is`) or copied.
+        """
+        with self._lock:  # the first use may come from a thread fetching rows ahead
+            if self._blocks is None:
+                as_is = self.client.gather(self.client.map(
+                    _held_as_is, self._held, key=[f"kmeans-as-is-{self.token}-{j}"
+                                                  for j in range(len(self._held))]))
+                self._blocks = [f if keep else self.client.submit(
+                    _aligned, f, key=f"kmeans-p-{self.token}-{j}")
+                    for j, (f, keep) in enumerate(zip(self._held, as_is))]
+                self._held = None
+        return self._blocks
 
     def _starts(self) -> list[int]:
         return [int(off) for off in self.offsets[:-1]]
@@ -900,42 +915,7 @@ class _DaskBackend:
         return self.chunks, self.client.gather(futs)
 
     def close(self) -> None:
-        self.blocks = None
-
-
-def _chunk_futures(P, client) -> list | None:
-    """The futures that hold P's row chunks, where its graph only renames them (a
-    factorization's P: each chunk an alias of a future on the workers); else None.
-
-    Computing such a chunk would run the renaming as a task, whose result (the
-    same array) a worker keeps under a new key and counts again in its memory.
-    """
-    from distributed import Future
-
-    graph = dict(P.__dask_graph__())
-    found = []
-    for key in (k[0] if isinstance(k, list) else k for k in P.__dask_keys__()):
-        value = graph.get(key)
-        for _ in range(len(graph)):
-            target = getattr(value, "target", None)  # an alias (dask's task spec)
-            if target is not None and not isinstance(value, Future):
-                value = graph.get(target)
-            elif not isinstance(value, Future) and _hashable(value) and value in graph:
-                value = graph[value]  # a plain reference to another key
-            else:
-                break
-        if not isinstance(value, Future) or value.client is not client:
-            return None
-        found.append(value)
-    return found
-
-
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
+        self._blocks, self._held = [], None
 
 
 def _held_as_is(x) -> bool:

@@ -539,6 +539,41 @@ def persist_rows(X, client=None):
     return rebuild({f.key: f for f in futures}, *args)
 
 
+def chunk_futures(P, client) -> list | None:
+    """The futures that hold P's row chunks, where its graph only renames them (a
+    factorization's P: each chunk an alias of a future on the workers); else None.
+
+    Computing such a chunk would run the renaming as a task, whose result (the
+    same array) a worker keeps under a new key and counts again in its memory.
+    """
+    from distributed import Future
+
+    graph = dict(P.__dask_graph__())
+    found = []
+    for key in (k[0] if isinstance(k, list) else k for k in P.__dask_keys__()):
+        value = graph.get(key)
+        for _ in range(len(graph)):
+            target = getattr(value, "target", None)  # an alias (dask's task spec)
+            if target is not None and not isinstance(value, Future):
+                value = graph.get(target)
+            elif not isinstance(value, Future) and _hashable(value) and value in graph:
+                value = graph[value]  # a plain reference to another key
+            else:
+                break
+        if not isinstance(value, Future) or value.client is not client:
+            return None
+        found.append(value)
+    return found
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _identity(x):
     return x
 
