@@ -715,8 +715,8 @@ class _DaskBackend:
             # are copied once where they are into memory the worker allocated; the
             # others are kept as they are, under their own keys: a second key for the
             # same array would count it twice in the workers' memory (dask sizes a
-            # key by its array's bytes), and a factorization's P taking a quarter of
-            # the workers' memory would then be spilled to disk and read back.
+            # key by its array's bytes), and a factorization's P taking a fifth of the
+            # workers' memory would then be spilled to disk and read back.
             self._held = chunk_futures(P, self.client) or self.client.compute(
                 list(P.to_delayed().ravel()))
             self._blocks = None  # which chunks to copy is asked with the first pass
@@ -930,11 +930,6 @@ def _held_as_is(x) -> bool:
     return bool(x.flags.c_contiguous or x.flags.f_contiguous or (
         x.strides[0] == x.itemsize and x.strides[1] % 16 == 0
         and x.strides[1] >= x.shape[0] * x.itemsize))
-
-
-def _held_rows(x):
-    """A chunk of P as the passes keep it: itself (:func:`_held_as_is`) or an aligned copy."""
-    return x if _held_as_is(x) else _aligned(x)
 
 
 def _check_fits(client, P, limits: list[int] | None = None) -> None:

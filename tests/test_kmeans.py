@@ -694,14 +694,15 @@ def test_fetched_rows_written_into_a_given_array_equal_the_rows_asked_for():
 def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     """The dask backend keeps P's input chunks as the factorization hands them over (views
     of its Fortran-ordered buffer); a chunk that is neither is copied as before."""
-    from dkicf._kmeans_tasks import _held_rows, _row_blocks, _take_rows
+    from dkicf._kmeans_tasks import _aligned, _held_as_is, _row_blocks, _take_rows
 
     buf = np.asfortranarray(np.arange(4000.0).reshape(400, 10))
     rows = buf[100:300, :8]  # rows of a Fortran matrix, not contiguous
     assert not rows.flags.c_contiguous and not rows.flags.f_contiguous
-    assert _held_rows(rows) is rows
+    assert _held_as_is(rows) and _held_as_is(buf) and _held_as_is(np.ascontiguousarray(buf))
     odd = np.arange(4000.0).reshape(400, 10)[:, :8]  # C-ordered, not contiguous
-    kept = _held_rows(odd)
+    assert not _held_as_is(odd)
+    kept = _aligned(odd)
     assert kept is not odd and kept.flags.c_contiguous
     assert_array_equal(kept, odd)
     # The passes and the row fetches read it as C-ordered float64 rows.
