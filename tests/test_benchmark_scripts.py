@@ -68,3 +68,29 @@ def test_the_check_finds_a_moved_name():
     assert (3, "dkicf.kmeans", "_NumpyBackend") in names
     assert not _exists("dkicf.kmeans", "_NumpyBackend")  # it lives in dkicf._kmeans_tasks
     assert _exists("dkicf._kmeans_tasks", "_NumpyBackend") and _exists("dkicf.kmeans", "kmeans")
+
+
+def test_the_k_means_defaults_benchmark_measures_a_setting_end_to_end():
+    """bench_kmeans_defaults times k-means|| by wrapping a backend method; the wrapper must
+    pass every argument on (it once dropped a keyword one and the script failed), time
+    something, and leave the method as it found it."""
+    import importlib.util
+
+    import numpy as np
+
+    from dkicf import _kmeans_tasks
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_kmeans_defaults", Path(__file__).parents[1] / "benchmarks" /
+        "bench_kmeans_defaults.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    original = _kmeans_tasks._NumpyBackend.parallel_candidates
+    rng = np.random.default_rng(0)
+    P = np.concatenate([rng.normal(size=(200, 3)), rng.normal(size=(200, 3)) + 6])
+    factors = [("two blobs", P, 2, float(((P - P.mean(0)) ** 2).sum()))]
+    misses, fits, worst, found, total, kmpar = bench._measure(
+        {}, 3, 2, factors, 2, 1, P)
+    assert fits == 2 and 0 <= misses <= fits and 0 < worst <= 1.0  # better than one centre
+    assert found in (0, 1) and 0 < kmpar <= total
+    assert _kmeans_tasks._NumpyBackend.parallel_candidates is original
