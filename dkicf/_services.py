@@ -552,26 +552,18 @@ def chunk_futures(P, client) -> list | None:
     found = []
     for key in (k[0] if isinstance(k, list) else k for k in P.__dask_keys__()):
         value = graph.get(key)
-        for _ in range(len(graph)):
-            target = getattr(value, "target", None)  # an alias (dask's task spec)
-            if target is not None and not isinstance(value, Future):
-                value = graph.get(target)
-            elif not isinstance(value, Future) and _hashable(value) and value in graph:
-                value = graph[value]  # a plain reference to another key
-            else:
+        for _ in range(len(graph)):  # a chain of renamings, at most one per key
+            if isinstance(value, Future):
+                break
+            # An alias (dask's task spec) names its target; a plain reference is the key.
+            try:
+                value = graph[getattr(value, "target", value)]
+            except (KeyError, TypeError):  # a task or data, not a renaming
                 break
         if not isinstance(value, Future) or value.client is not client:
             return None
         found.append(value)
     return found
-
-
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _identity(x):
