@@ -104,11 +104,12 @@ def _fit_printer():
 
 def _fit(args, data: Path, rank: int, x_bytes: int) -> dict:
     from dkicf import io, local_cluster, metrics
+    from dkicf._cluster import all_workers
     from dkicf.pipeline import fit_store
 
     client = local_cluster(args.workers, 1, memory_limit=args.memory_limit)
     try:
-        info = client.scheduler_info()["workers"]
+        info = all_workers(client)
         limit = min(w["memory_limit"] for w in info.values())
         total = limit * len(info)
         print(f"cluster: {len(info)} workers x {limit / 2**30:.2f} GiB = {total / 2**30:.2f} "

@@ -35,6 +35,7 @@ def main(argv=None) -> None:
     import dask.array as da
 
     from dkicf import io, local_cluster
+    from dkicf._cluster import all_workers
     from dkicf.pipeline import fit_store
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
 
     client = local_cluster(args.workers, 1, memory_limit=args.memory_limit)
     try:
-        info = client.scheduler_info()["workers"]
+        info = all_workers(client)
         limit = min(w["memory_limit"] for w in info.values())
         total = limit * len(info)
         print(f"cluster: {len(info)} workers x {limit / 2**30:.2f} GiB = "

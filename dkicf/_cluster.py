@@ -11,10 +11,12 @@ __all__ = ["all_workers", "get_client"]
 def all_workers(client) -> dict:
     """Every worker the scheduler knows, as ``{address: info}``.
 
-    ``Client.scheduler_info()`` lists only the first few workers by default
-    on some versions of distributed (five on 2025.4 to 2026.6); counting them
-    would make a cluster of more look short of workers.  Every count of
-    workers in dkicf goes through here.
+    Asked of the scheduler on each call.  ``Client.scheduler_info()`` returns
+    the client's cached copy, which a timer on the client's event loop
+    replaces every two seconds with one that lists no workers (distributed
+    2026.8); read back after the timer ran, it says the cluster has none.  It
+    also lists only the first few workers by default on some versions (five
+    on 2025.4 to 2026.6).  Every count of workers in dkicf goes through here.
 
     Parameters
     ----------
@@ -26,6 +28,13 @@ def all_workers(client) -> dict:
     dict
         The ``"workers"`` entry of the scheduler's information.
     """
+    scheduler = getattr(client, "scheduler", None)
+    if scheduler is not None and not getattr(client, "asynchronous", True):
+        try:
+            info = client.sync(scheduler.identity, n_workers=-1)
+        except TypeError:  # distributed < 2025.4: no such argument, every worker listed
+            info = client.sync(scheduler.identity)
+        return dict(info.get("workers", {}))
     try:
         info = client.scheduler_info(n_workers=-1)
     except TypeError:  # distributed < 2025.4: no such argument, every worker listed

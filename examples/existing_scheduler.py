@@ -27,7 +27,7 @@ def main(argv=None):
         labels = model.fit_predict(Xd)
         from dkicf.metrics import clustering_accuracy
 
-        workers = len(client.scheduler_info()["workers"])
+        workers = len(client.nthreads())
         print(f"{workers} workers; accuracy {clustering_accuracy(y, labels.compute()):.3f}")
 
 

@@ -34,6 +34,7 @@ from _tied import tied_popen
 from numpy.testing import assert_allclose, assert_array_equal
 
 from dkicf import incomplete_cholesky
+from dkicf._cluster import all_workers
 from dkicf.deploy import (
     MissingExtraError,
     connect,
@@ -381,7 +382,7 @@ def test_tls_cluster_computes_and_refuses_the_wrong_clients(tls_cluster, pki):
     X = da.from_array(np.arange(4000.0).reshape(2000, 2), chunks=(500, 2))
     expected = np.sum(np.arange(4000.0) ** 2)
     assert tls_cluster.compute((X**2).sum(), sync=True) == pytest.approx(expected)
-    assert len(tls_cluster.scheduler_info()["workers"]) == 2
+    assert len(all_workers(tls_cluster)) == 2
 
     # A client that trusts the CA but has no certificate of its own: the
     # scheduler demands one.  (The same comm with the client's certificate works.)
@@ -465,7 +466,7 @@ def test_local_cluster_listens_on_loopback_only(dashboard):
         sockets = {proc.pid: _listening(proc) for proc in children}
         sockets[me.pid] = [a for a in _listening(me) if a not in before]
         worker_pids = set(client.run(os.getpid).values())
-        info = client.scheduler_info()["workers"]
+        info = all_workers(client)
         direct = client.direct_to_workers
         http_port = cluster.scheduler.http_server.port
         status = {path: _http_status(http_port, path) for path in ("/health", "/status")}
@@ -969,13 +970,14 @@ wait
 # Stand-in for the dkicf CLI: records its arguments and what it finds on the cluster.
 _DKICF = """#!{python}
 import json, os, sys
+from dkicf._cluster import all_workers
 from dkicf.deploy import connect, make_security
 args = sys.argv[1:]
 def value(flag):
     return args[args.index(flag) + 1] if flag in args else None
 security = make_security(value("--tls-ca-file"), value("--tls-cert"), value("--tls-key"))
 with connect(scheduler_file=value("--scheduler-file"), security=security, timeout=30) as c:
-    workers = c.scheduler_info()["workers"].values()
+    workers = all_workers(c).values()
     record = {{
         "args": args,
         "address": c.scheduler.address,
@@ -1330,7 +1332,7 @@ def test_start_cluster_kubernetes_waits_for_the_worker_pods(monkeypatch):
     )
     try:
         assert time.monotonic() - t0 >= 1.0
-        assert len(client.scheduler_info()["workers"]) == 2
+        assert len(all_workers(client)) == 2
         assert "kubectl -n science get pods -l dask.org/cluster-name=fit" in messages[0]
         assert messages[-1].startswith("all 2 workers joined after")
     finally:
@@ -1347,7 +1349,7 @@ def test_start_cluster_goes_on_with_the_workers_there_after_the_timeout(monkeypa
     )
     try:
         assert time.monotonic() - t0 >= 1.0
-        assert len(client.scheduler_info()["workers"]) == 1
+        assert len(all_workers(client)) == 1
         (warning,) = [r.getMessage() for r in caplog.records if r.levelno == 30]
         assert warning.startswith("only 1 of 3 workers joined within 1 s; going on with them")
     finally:
@@ -1692,7 +1694,6 @@ class _Watch:
 
 def test_seven_workers_are_all_counted():
     """With 7 workers joined, the wait ends at once instead of waiting out the timeout."""
-    from dkicf._cluster import all_workers
     from dkicf.deploy import _wait_for_workers
     from dkicf.pipeline import _worker_resources
 
@@ -1710,7 +1711,6 @@ def test_seven_workers_of_a_real_cluster_are_counted():
     import dask
     from distributed import Client, LocalCluster
 
-    from dkicf._cluster import all_workers
 
     # Workers in this process, talking in memory (no socket), without a dashboard.
     with dask.config.set({"distributed.scheduler.http.routes": []}), LocalCluster(
@@ -1718,6 +1718,27 @@ def test_seven_workers_of_a_real_cluster_are_counted():
     ) as cluster, Client(cluster) as client:
         client.wait_for_workers(7, timeout=START_TIMEOUT)
         assert len(all_workers(client)) == 7
+
+
+def test_workers_are_asked_of_the_scheduler_not_the_clients_cached_copy(monkeypatch):
+    """The client's cached information, as its timer leaves it, lists no workers.
+
+    distributed 2026.8 replaces ``Client.scheduler_info()``'s copy every two
+    seconds with one without workers, so a count read back from it after the
+    timer ran said the cluster had none (a fit refused to start, 1 in about
+    20,000 calls).
+    """
+    from distributed import Client
+
+
+    with Client(processes=False, n_workers=2, threads_per_worker=1,
+                dashboard_address=None) as client:
+        client.wait_for_workers(2, timeout=START_TIMEOUT)
+        monkeypatch.setattr(client, "scheduler_info",
+                            lambda *a, **k: {"type": "Scheduler", "workers": {}})
+        found = all_workers(client)
+        assert len(found) == 2
+        assert all(info["nthreads"] == 1 for info in found.values())
 
 
 def test_job_options_left_out_come_from_the_sites_jobqueue_yaml():

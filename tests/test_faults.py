@@ -21,6 +21,7 @@ import pytest
 
 from dkicf import incomplete_cholesky as _incomplete_cholesky
 from dkicf import local_cluster
+from dkicf._cluster import all_workers
 from dkicf.errors import CheckpointMismatchError, DegenerateKernelWarning, WorkerFailureError
 
 # These tests exercise the paper's sequential loop, one pass per pivot (crashes
@@ -352,7 +353,7 @@ def both_workers(client, timeout: float = 60) -> None:
     cluster = client.cluster
 
     def ready():
-        return len(client.scheduler_info()["workers"]) == 2 and all(
+        return len(all_workers(client)) == 2 and all(
             nanny.process is not None and nanny.process.status == Status.running
             for nanny in cluster.workers.values())
 

@@ -8,6 +8,7 @@ from _blas import check_driver_steps_run_one_blas_thread
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.metrics import adjusted_rand_score
 
+from dkicf._cluster import all_workers
 from dkicf.kmeans import KMeansProgress, KMeansResult, assign, kmeans
 
 ALGORITHMS = ("minibatch", "lloyd", "minibatch-lloyd")
@@ -390,7 +391,7 @@ def test_holding_a_p_larger_than_the_cluster_is_refused(km_client):
     """persist=True with P beyond the workers' memory: a clear error before any task runs."""
     import dask.array as da
 
-    info = km_client.scheduler_info(n_workers=-1)["workers"].values()
+    info = all_workers(km_client).values()
     total = sum(int(w["memory_limit"]) for w in info)
     rows = int(1.5 * total // (8 * 1000))
     P = da.zeros((rows, 1000), chunks=(rows // 8 + 1, 1000))  # lazy: never computed

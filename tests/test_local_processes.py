@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
+from dkicf._cluster import all_workers
 from dkicf._local import _SHARED_PROCESS_MAX, separate_processes
 
 
@@ -43,7 +44,7 @@ def test_scheduler_and_nannies_leave_the_driver_and_stay_on_loopback():
     cluster = client.cluster
     try:
         me = os.getpid()
-        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+        assert len(all_workers(client)) == 2
         scheduler_pid = client.run_on_scheduler(os.getpid)
         nanny_pids = set(client.run(os.getppid).values())
         assert scheduler_pid != me and me not in nanny_pids and len(nanny_pids) == 2

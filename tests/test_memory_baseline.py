@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dkicf import _backends, _chunk, _memory, _services, incomplete_cholesky
+from dkicf._cluster import all_workers
 from dkicf.errors import WorkerFailureError
 from dkicf.pipeline import plan_fit
 
@@ -202,9 +203,9 @@ def _replace_every_worker(client) -> None:
     """All workers gone at once, then as many new ones (new addresses), as when every
     worker of a cluster passes its memory limit and its nanny restarts it."""
     cluster = client.cluster
-    count = len(client.scheduler_info()["workers"])
+    count = len(all_workers(client))
     cluster.scale(0)
-    while client.scheduler_info()["workers"]:
+    while all_workers(client):
         time.sleep(0.05)
     time.sleep(0.5)
     cluster.scale(count)
@@ -221,7 +222,7 @@ def test_every_worker_replaced_at_once_mid_fit_changes_nothing(own_cluster):
     kw = dict(gamma=0.5, max_rank=16, tol=0.0, pivoting="greedy", client=client,
               persist=False)
     ref = incomplete_cholesky(X, **kw)
-    before = set(client.scheduler_info()["workers"])
+    before = set(all_workers(client))
     replaced = []
 
     def replace(progress):
@@ -230,7 +231,7 @@ def test_every_worker_replaced_at_once_mid_fit_changes_nothing(own_cluster):
             replaced.append(True)
 
     res = incomplete_cholesky(X, progress=replace, **kw)
-    assert replaced and not before & set(client.scheduler_info()["workers"])
+    assert replaced and not before & set(all_workers(client))
     np.testing.assert_array_equal(res.pivots, ref.pivots)
     np.testing.assert_allclose(res.P.compute(), ref.P.compute(), rtol=0, atol=1e-12)
 
@@ -269,7 +270,7 @@ def test_a_task_stranded_on_a_dead_preferred_worker_is_sent_elsewhere(own_cluste
     cluster = client.cluster
     gone = "tcp://127.0.0.1:1"  # a worker that is not there
     cluster.scale(0)
-    while client.scheduler_info()["workers"]:
+    while all_workers(client):
         time.sleep(0.1)
     token = "strandtest0000"
     fut = client.submit(int, 7, key=f"icf-init-{token}-0", workers=[gone],
