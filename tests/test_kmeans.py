@@ -531,6 +531,12 @@ def test_scan_of_several_runs_equals_each_run_alone(layout):
         assert_allclose(sums[r], expected, rtol=1e-12, atol=1e-9)
         assert sums[r].shape == c.shape
     assert not np.any(labels[1] == 4)
+    # The labels pass (no sums; a column-major chunk is read in place): the same.
+    only_labels, only_d2, none = _scan(x, 0, centers, with_sums=False)
+    assert none is None
+    for r in range(len(centers)):
+        assert_array_equal(only_labels[r], labels[r])
+        assert_allclose(only_d2[r], d2[r], rtol=1e-12, atol=1e-12)
 
 
 def count_lloyd_passes(monkeypatch, backend) -> list[int]:
