@@ -1,8 +1,10 @@
 """The ``dkicf`` commands: what each does with its parsed arguments.
 
 Imported by :func:`dkicf.cli.main` only once a command runs: this module
-imports dask, zarr, scikit-learn and the rest of dkicf, which ``--help``,
-``--version`` and a usage error do not need.
+imports dask and zarr, which ``--help``, ``--version`` and a usage error do
+not need.  A command imports scikit-learn and the estimator where it uses
+them (about 2 s): ``info``, ``convert``, ``generate`` and the cluster
+commands do without.
 """
 
 from __future__ import annotations
@@ -20,12 +22,10 @@ import numpy as np
 import psutil
 from dask.utils import parse_bytes
 
-from . import _cli_signals, bench, deploy, io, mnist8m
+from . import _cli_signals, deploy, io
 from ._cli_parser import UsageError, kernel_hyperparameters
 from ._config import get
-from .estimator import KernelKMeans, load
-from .pipeline import describe, fit_store, plan_fit, predict_store
-from .plotting import plot_model
+from ._plan import describe, plan_fit
 
 __all__ = ["COMMANDS"]
 
@@ -352,6 +352,8 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_generate_digits(args) -> int:
+    from . import mnist8m
+
     if args.features not in (None, 784) or args.classes not in (None, 10):
         raise UsageError("mnist8m has 784 features and 10 classes; --features and --classes "
                          "apply to blobs and spheres.")
@@ -377,6 +379,9 @@ def _describe(info: dict) -> str:
 
 
 def _cmd_fit(args) -> int:
+    from .estimator import KernelKMeans
+    from .pipeline import fit_store
+
     if args.resume and not args.checkpoint:
         raise UsageError("--resume continues a checkpointed fit: give its --checkpoint too.")
     if args.checkpoint_every is not None and not args.checkpoint:
@@ -436,6 +441,9 @@ def _print_report(report: dict, *, as_json: bool = False) -> None:
 
 
 def _cmd_predict(args) -> int:
+    from .estimator import load
+    from .pipeline import predict_store
+
     _check_cluster_args(args)
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.model, args.store, args.out)
@@ -481,6 +489,8 @@ def _info_json(path: str, rank: int, storage_options: dict) -> dict:
 
 
 def _cmd_plot(args) -> int:
+    from .plotting import plot_model
+
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.model, args.data)
     paths = plot_model(args.model, args.out_dir, data=args.data, storage_options=storage_options)
@@ -490,6 +500,9 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    from .pipeline import fit_store
+    from .plotting import plot_model
+
     _check_cluster_args(args)
     if args.workdir is None:
         work = Path(tempfile.mkdtemp(prefix="dkicf-demo-"))
@@ -539,6 +552,8 @@ def _rows_of(data: Path) -> int | None:
 
 
 def _cmd_bench(args) -> int:
+    from . import bench
+
     return bench.run_cli(args)
 
 

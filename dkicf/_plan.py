@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from . import _memory
+import numpy as np
+
+from . import _memory, io
 from ._cluster import all_workers
 from ._memory import (
     _Workers,
@@ -393,3 +395,16 @@ def _worker_resources(client) -> tuple[int | None, int, int]:
     threads = max(w.get("nthreads", 1) for w in workers.values())
     limit = min(limits) if all(limits) else None
     return limit, len(workers), threads
+
+
+def describe(path: str, *, rank: int = 100, storage_options: dict | None = None) -> list[str]:
+    """Lines describing a dataset (shape, chunks, sizes, fit estimate) or a model."""
+    kind, meta = io.inspect(path, storage_options=storage_options)
+    lines = [f"{path}: {kind}"]
+    for key, value in meta.items():
+        lines.append(f"  {key}: {value}")
+    if kind == "dataset":
+        n, d = meta["shape"]
+        plan = plan_fit((n, d), meta["chunks"][0], np.dtype(meta["dtype"]).itemsize, rank)
+        lines += plan.lines()
+    return lines

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import io
-from ._plan import FitPlan, _worker_resources, plan_fit, plan_for_cluster  # noqa: F401
+from ._plan import FitPlan, _worker_resources, describe, plan_fit, plan_for_cluster  # noqa: F401
 from .estimator import KernelKMeans, _model_arrays_attrs, check_fit_params, fit_stages, load
 
 logger = logging.getLogger(__name__)
@@ -370,16 +370,3 @@ def _predict_claimed(model_path, store, out, *, client, overwrite, storage_optio
 def _input_fingerprint(store: str, info, storage_options) -> dict:
     node = store if io._probe(store, storage_options).kind == "array" else io._join(store, "X")
     return io.fingerprint(node, storage_options=storage_options)
-
-
-def describe(path: str, *, rank: int = 100, storage_options: dict | None = None) -> list[str]:
-    """Lines describing a dataset (shape, chunks, sizes, fit estimate) or a model."""
-    kind, meta = io.inspect(path, storage_options=storage_options)
-    lines = [f"{path}: {kind}"]
-    for key, value in meta.items():
-        lines.append(f"  {key}: {value}")
-    if kind == "dataset":
-        n, d = meta["shape"]
-        plan = plan_fit((n, d), meta["chunks"][0], np.dtype(meta["dtype"]).itemsize, rank)
-        lines += plan.lines()
-    return lines

@@ -524,6 +524,26 @@ def test_help_and_version_import_neither_scikit_learn_nor_the_cluster(tmp_path):
     assert "HEAVY []" in proc.stderr, proc.stderr
 
 
+def test_info_and_convert_do_without_scikit_learn(tmp_path):
+    """``dkicf info`` took 5-6 s, most of it importing scikit-learn (through the
+    benchmark module and the estimator), which describing a store does not need."""
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(300, 3)))
+    code = (
+        "import sys\n"
+        "from dkicf.cli import main\n"
+        "assert main(['convert', 'x.npy', 'x.zarr', '--quiet']) == 0\n"
+        "assert main(['info', 'x.zarr']) == 0\n"
+        "heavy = sorted(m for m in ('sklearn', 'dkicf.estimator', 'dkicf.bench')\n"
+        "               if m in sys.modules)\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "shape: [300, 3]" in proc.stdout, proc.stdout
+    assert "HEAVY []" in proc.stderr, proc.stderr
+
+
 def test_the_package_api_resolves_lazily():
     import dkicf
     import dkicf.kmeans  # the submodule: dkicf.kmeans stays the function
