@@ -212,10 +212,21 @@ def _reseed_starved(centers, counts, x, d2, rng: np.random.Generator) -> None:
     counts[starved] = counts[fed].min()
 
 
+def _overflow_error(inertia: float) -> ValueError:
+    """The error for squared distances past float64 (P's values about 1e154 or more)."""
+    return ValueError(
+        f"the k-means' squared distances overflow float64 (inertia {inertia}): P's values "
+        "are too large (about 1e154 or more).  Divide P by a constant, which leaves the "
+        "clustering the same, and run it again.")
+
+
 def _minibatch_step(x, centers, counts, rng, reseed: bool):
     """One mini-batch step: new centres (counts updated in place) and the batch inertia."""
     k = centers.shape[0]
     labels, d2 = _nearest(x, centers, np.einsum("ij,ij->i", centers, centers))
+    batch_inertia = float(d2.sum())
+    if not math.isfinite(batch_inertia):
+        raise _overflow_error(batch_inertia)
     n_j = np.bincount(labels, minlength=k)
     hit = n_j > 0
     total = counts[hit] + n_j[hit]
@@ -225,7 +236,7 @@ def _minibatch_step(x, centers, counts, rng, reseed: bool):
     counts[hit] = total
     if reseed:
         _reseed_starved(new, counts, x, d2, rng)
-    return new, float(d2.sum())
+    return new, batch_inertia
 
 
 def _batches_per_fetch(cfg: _Config, s: int) -> int:
@@ -811,6 +822,8 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
         if ckpt is not None:
             ckpt.save(finished=True)
     best = runs.best
+    if not math.isfinite(best.inertia):
+        raise _overflow_error(best.inertia)
     pos.restart, pos.runs = best.restart, None
     pos.at("labels", best.n_iter)
     labels, _, _ = _full_pass(backend, best.centers)

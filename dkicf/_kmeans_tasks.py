@@ -104,6 +104,9 @@ def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width:
     weight = np.arange(width, 0, -1, dtype=np.int32)[:, None]
     first = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
         "kmeans-first", (runs, width, rows), np.int32)), axis=1)
+    # A NaN minimum (a row whose squares overflow, next to a centre as large) is
+    # reached by none: centre 0, so that a label never leaves its run's range.
+    np.putmask(first, first == 0, width)
     np.maximum(least, 0.0, out=least)
     return np.subtract(width, first, dtype=np.int64), least
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from _blas import check_driver_steps_run_one_blas_thread
@@ -537,6 +539,38 @@ def test_scan_of_several_runs_equals_each_run_alone(layout):
     for r in range(len(centers)):
         assert_array_equal(only_labels[r], labels[r])
         assert_allclose(only_d2[r], d2[r], rtol=1e-12, atol=1e-12)
+
+
+def test_scan_labels_stay_in_each_runs_range_when_distances_overflow():
+    """A row whose squares overflow (finite, about 1e200) next to a centre as large has a
+    NaN distance to it and infinite ones to the rest: it still gets a centre of its own
+    run (the sparse sums index by label; one past the run's centres wrote past them)."""
+    from dkicf._kmeans_tasks import _scan
+
+    x = np.random.default_rng(0).normal(size=(50, 3))
+    x[7] = 1e200
+    centers = [x[[0, 1, 2]] + 0.0, x[[3, 7]] + 0.0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        for with_sums in (True, False):
+            labels, _, _ = _scan(x, 0, centers, with_sums=with_sums, check=False)
+            for r, c in enumerate(centers):
+                assert labels[r].min() >= 0 and labels[r].max() < c.shape[0]
+                assert labels[r][7] == 0
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_distances_that_overflow_are_an_error_not_a_nan_fit(algorithm):
+    """Rows of about 1e160 (finite) have squares past float64: the fit used to return NaN
+    inertia and arbitrary labels without a word."""
+    from sklearn.datasets import make_blobs
+
+    X, _ = make_blobs(600, 4, centers=3, random_state=0)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(ValueError, match=r"overflow float64 .* Divide P by a constant"):
+            kmeans(X * 1e160, 3, algorithm=algorithm, random_state=0)
+        scaled = kmeans(X * 1e100, 3, algorithm=algorithm, random_state=0)
+    assert np.isfinite(scaled.inertia)
 
 
 def count_lloyd_passes(monkeypatch, backend) -> list[int]:
