@@ -5,11 +5,19 @@ the driver, which closes them.  A driver that dies without closing them
 (SIGKILL, a crash) would leave them running for ever: this preload checks
 every second whether the process that started this one is still its parent,
 and if not, ends this process and its children (a nanny's worker).
+
+It also keeps the tracebacks of handlers cancelled as the server closes out
+of the terminal: when the driver closes the cluster after Ctrl-C, a graph
+update still in flight is cancelled, and distributed logs that
+``CancelledError`` with its traceback as an error, under the driver's
+one-line "interrupted".
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 
 _CHECK_MS = 1000
@@ -32,9 +40,22 @@ def kill_children(pid: int) -> None:
             child.kill()
 
 
+def _not_cancelled(record: logging.LogRecord) -> bool:
+    """False for a record of a cancelled task (``asyncio.CancelledError``)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, asyncio.CancelledError)
+
+
 def dask_setup(server) -> None:
-    """Start the check on ``server``'s event loop (scheduler or nanny)."""
+    """Start the check on ``server``'s event loop (scheduler or nanny), and drop the
+    logs of cancelled handlers."""
     from tornado.ioloop import PeriodicCallback
+
+    # distributed logs a handler's exception under the handler's module (its
+    # log_errors): the filter goes on the handlers that print them.
+    for handler in logging.getLogger("distributed").handlers + logging.getLogger().handlers:
+        if _not_cancelled not in handler.filters:
+            handler.addFilter(_not_cancelled)
 
     parent = os.getppid()
 

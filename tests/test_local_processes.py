@@ -102,3 +102,28 @@ def test_the_processes_end_themselves_when_the_driver_is_killed(tmp_path):
                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         assert time.monotonic() < deadline, f"orphans still running: {alive}"
         time.sleep(0.2)
+
+
+_CANCELLED_LOGS = """
+import asyncio, logging, types
+import distributed  # noqa: F401  (configures its loggers, as in a scheduler process)
+from dkicf import _orphan_guard
+
+_orphan_guard.dask_setup(types.SimpleNamespace(periodic_callbacks={}))
+for exc in (asyncio.CancelledError(), ValueError("a real failure")):
+    try:
+        raise exc
+    except BaseException as e:
+        logging.getLogger("distributed.scheduler").exception(e)
+"""
+
+
+def test_scheduler_processes_drop_the_tracebacks_of_cancelled_handlers():
+    """After Ctrl-C the driver closes the cluster; a graph update still in flight is
+    cancelled, and distributed logged that CancelledError's traceback under the one-line
+    "interrupted".  Other errors still print."""
+    proc = subprocess.run([sys.executable, "-c", _CANCELLED_LOGS], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "CancelledError" not in proc.stderr
+    assert "ValueError: a real failure" in proc.stderr
