@@ -28,17 +28,15 @@ def all_workers(client) -> dict:
     dict
         The ``"workers"`` entry of the scheduler's information.
     """
+    ask = client.scheduler_info  # an asynchronous client or a stand-in: its own answer
     scheduler = getattr(client, "scheduler", None)
     if scheduler is not None and not getattr(client, "asynchronous", True):
-        try:
-            info = client.sync(scheduler.identity, n_workers=-1)
-        except TypeError:  # distributed < 2025.4: no such argument, every worker listed
-            info = client.sync(scheduler.identity)
-        return dict(info.get("workers", {}))
+        def ask(**kwargs):
+            return client.sync(scheduler.identity, **kwargs)
     try:
-        info = client.scheduler_info(n_workers=-1)
+        info = ask(n_workers=-1)
     except TypeError:  # distributed < 2025.4: no such argument, every worker listed
-        info = client.scheduler_info()
+        info = ask()
     return dict(info.get("workers", {}))
 
 

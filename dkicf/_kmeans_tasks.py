@@ -88,7 +88,8 @@ def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width:
     distances ``||x||^2 - 2 x.c + ||c||^2`` are formed centres by rows, so
     that each run's minimum is a vectorised pass per centre along the rows
     and the first centre reaching it is found the same way: an argmin over
-    each row's few centres costs a third of the product at ``k = 10``.
+    each row's few centres costs a third of the product at ``k = 10``
+    (:func:`_first_reaching`).
     Clamped at 0 (rounding can make a row at a centre slightly negative).
     """
     rows = x.shape[0]
@@ -98,17 +99,30 @@ def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width:
     d += np.einsum("ij,ij->i", x, x)
     by_run = d.reshape(runs, width, rows)
     least = np.minimum.reduce(by_run, axis=1, out=scratch("kmeans-least", (runs, rows)))
-    # The first centre at the minimum: the largest of (width - j) where it is reached.
-    reached = np.equal(by_run, least[:, None, :],
-                       out=scratch("kmeans-reached", (runs, width, rows), np.bool_))
-    weight = np.arange(width, 0, -1, dtype=np.int32)[:, None]
-    first = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
-        "kmeans-first", (runs, width, rows), np.int32)), axis=1)
+    near = _first_reaching(by_run, least, "kmeans")
     # A NaN minimum (a row whose squares overflow, next to a centre as large) is
     # reached by none: centre 0, so that a label never leaves its run's range.
-    np.putmask(first, first == 0, width)
+    np.putmask(near, near == width, 0)
     np.maximum(least, 0.0, out=least)
-    return np.subtract(width, first, dtype=np.int64), least
+    return near, least
+
+
+def _first_reaching(d: np.ndarray, least: np.ndarray, slot: str) -> np.ndarray:
+    """Index along the second-to-last axis of ``d`` (``(..., m, rows)``) of the first entry
+    equal to ``least`` (its minimum over that axis), as int64; ``m`` where none is (a
+    NaN minimum).
+
+    A vectorised pass per entry along the rows, like the minimum itself: no
+    argmin over each row's few entries.  ``slot`` names this thread's
+    scratch arrays.
+    """
+    m = d.shape[-2]
+    reached = np.equal(d, least[..., None, :], out=scratch(f"{slot}-reached", d.shape, np.bool_))
+    # The first at the minimum: the largest of (m - j) where it is reached.
+    weight = np.arange(m, 0, -1, dtype=np.int32)[:, None]
+    top = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
+        f"{slot}-first", d.shape, np.int32)), axis=-2)
+    return np.subtract(m, top, dtype=np.int64)
 
 
 def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
@@ -392,12 +406,7 @@ def _nearest_candidate(scaled: np.ndarray, c_sq: np.ndarray, rows_t: np.ndarray,
     part = np.matmul(scaled, rows_t, out=scratch("kmpar-cross", (m, rows), np.float32))
     part += c_sq
     least = np.minimum.reduce(part, axis=0, out=scratch("kmpar-least", (rows,), np.float32))
-    # The first candidate at the minimum: the largest of (m - j) where it is reached.
-    reached = np.equal(part, least, out=scratch("kmpar-reached", (m, rows), np.bool_))
-    weight = np.arange(m, 0, -1, dtype=np.int32)[:, None]
-    near = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
-        "kmpar-first", (m, rows), np.int32)), axis=0)
-    near = (m - near).astype(np.int64)  # m where a row reached none (NaN): never better
+    near = _first_reaching(part, least, "kmpar")  # m where none (NaN): never better
     dist = least.astype(np.float64)
     dist += x_sq
     np.maximum(dist, 0.0, out=dist)  # rounding can make a row at a candidate slightly negative

@@ -503,24 +503,28 @@ def test_python_dash_m_dkicf_is_the_command(tmp_path):
     assert proc.stdout.strip() == f"dkicf {__version__}"
 
 
+def _run_then_list_imported(commands: str, modules: tuple, cwd, timeout: float):
+    """Run ``commands`` (Python, with ``dkicf.cli.main`` as ``main``) in a fresh process,
+    which then prints which of ``modules`` it imported (``HEAVY [...]`` on stderr)."""
+    code = ("import sys\nfrom dkicf.cli import main\n" + commands
+            + f"print('HEAVY', sorted(m for m in {modules!r} if m in sys.modules), "
+              "file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 def test_help_and_version_import_neither_scikit_learn_nor_the_cluster(tmp_path):
     """What made ``dkicf --help`` take seconds: imports it does not need (scikit-learn,
     distributed, zarr; the parser reads the k-means names from dkicf.kmeans, with scipy)."""
-    code = (
-        "import sys\n"
-        "from dkicf.cli import main\n"
+    proc = _run_then_list_imported(
         "for argv in (['--version'], ['--help'], ['fit', '--help']):\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit:\n"
-        "        pass\n"
-        "heavy = sorted(m for m in ('sklearn', 'distributed', 'zarr')\n"
-        "               if m in sys.modules)\n"
-        "print('HEAVY', heavy, file=sys.stderr)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+        "        pass\n",
+        ("sklearn", "distributed", "zarr"), tmp_path, timeout=60)
     assert "HEAVY []" in proc.stderr, proc.stderr
 
 
@@ -528,18 +532,10 @@ def test_info_and_convert_do_without_scikit_learn(tmp_path):
     """``dkicf info`` took 5-6 s, most of it importing scikit-learn (through the
     benchmark module and the estimator), which describing a store does not need."""
     np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(300, 3)))
-    code = (
-        "import sys\n"
-        "from dkicf.cli import main\n"
+    proc = _run_then_list_imported(
         "assert main(['convert', 'x.npy', 'x.zarr', '--quiet']) == 0\n"
-        "assert main(['info', 'x.zarr']) == 0\n"
-        "heavy = sorted(m for m in ('sklearn', 'dkicf.estimator', 'dkicf.bench')\n"
-        "               if m in sys.modules)\n"
-        "print('HEAVY', heavy, file=sys.stderr)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+        "assert main(['info', 'x.zarr']) == 0\n",
+        ("sklearn", "dkicf.estimator", "dkicf.bench"), tmp_path, timeout=120)
     assert "shape: [300, 3]" in proc.stdout, proc.stdout
     assert "HEAVY []" in proc.stderr, proc.stderr
 
