@@ -79,7 +79,8 @@ _STREAM_BYTES = 32 << 20
 
 
 # Modules whose import a fit's tasks pay on a worker (part of its own memory).
-_TASK_MODULES = ("dkicf._chunk", "dkicf._candidates", "dkicf.io", "dkicf._kmeans_tasks", "zarr")
+_TASK_MODULES = ("dkicf._chunk", "dkicf._candidates", "dkicf.io", "dkicf._kmeans_tasks",
+                 "dkicf._mapping", "zarr")
 
 
 def import_task_modules() -> None:

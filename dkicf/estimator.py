@@ -17,9 +17,9 @@ from sklearn.base import (
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from . import io
-from ._chunk import check_finite
 from ._cluster import get_client
-from ._factor import ICFResult, _transform_block
+from ._factor import ICFResult
+from ._mapping import FeatureMap, checked_features, checked_labels
 from ._plan import plan_for_cluster
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from ._version import __version__
@@ -304,17 +304,15 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
                   f"k-means inertia {km.inertia:.6g} after {km.n_iter} steps")
         return km.labels
 
-    def _for_tasks(self) -> KernelKMeans:
-        """This model as the tasks of predict/transform get it: without lazy labels_.
+    def _feature_map(self) -> FeatureMap:
+        """What the tasks of predict/transform carry: the map of new rows alone.
 
-        A dask ``labels_`` would travel with every task, and pickling it there
-        would compute it.
+        Not the estimator: a dask ``labels_`` would travel with every task
+        (pickling it there would compute it), and unpickling an estimator
+        imports scikit-learn in every worker.
         """
-        if not is_dask_array(getattr(self, "labels_", None)):
-            return self
-        clone = object.__new__(type(self))
-        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k != "labels_"})
-        return clone
+        return FeatureMap(self.kernel_, self.pivot_rows_, self.cholesky_factor_,
+                          getattr(self, "_pivot_aux", None), self.cluster_centers_)
 
     @property
     def _n_features_out(self) -> int:
@@ -343,7 +341,7 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
 
         Numpy input is checked for NaN and infinity here; a dask array is
         checked chunk by chunk inside the tasks that use it (see
-        :func:`_checked_features`), so X is never gathered.
+        :func:`dkicf._mapping.checked_features`), so X is never gathered.
         """
         check_is_fitted(self, "cluster_centers_")
         if is_dask_array(X):
@@ -357,15 +355,6 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False,
                           ensure_all_finite=False)
         return check_array_2d(X, "X")
-
-    def _features(self, x):
-        return _transform_block(
-            np.ascontiguousarray(x, dtype=np.float64),
-            self.kernel_,
-            self.pivot_rows_,
-            self.cholesky_factor_,
-            getattr(self, "_pivot_aux", None),
-        )
 
     def transform(self, X):
         """The factor's features of X: ``p(x) = L^{-1} k(X_B, x)``.
@@ -388,11 +377,11 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         """Features of an X from :meth:`_check_X_predict`; dask chunks are checked in tasks."""
         if is_dask_array(X):
             return X.map_blocks(
-                _checked_features, self._for_tasks(), dtype=np.float64,
+                checked_features, self._feature_map(), dtype=np.float64,
                 chunks=(X.chunks[0], (self.rank_,)),
                 meta=np.empty((0, 0), dtype=np.float64),
             )
-        return self._features(X)
+        return self._feature_map().features(X)
 
     def predict(self, X):
         """Nearest centre in the factor's feature space for every row of X.
@@ -410,11 +399,11 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         X = self._check_X_predict(X)
         if is_dask_array(X):
             return X.map_blocks(
-                _checked_predict, self._for_tasks(), dtype=np.int64, drop_axis=1,
+                checked_labels, self._feature_map(), dtype=np.int64, drop_axis=1,
                 chunks=(X.chunks[0],),
                 meta=np.empty((0,), dtype=np.int64),
             )
-        return _predict_block(X, self)
+        return self._feature_map().labels(X)
 
     def score(self, X, y=None):
         """Opposite of the inertia of X's features with respect to the centres."""
@@ -588,37 +577,6 @@ def _model_arrays_attrs(model: KernelKMeans) -> tuple[dict, dict]:
     if hasattr(model, "feature_names_in_"):
         attrs["feature_names_in"] = [str(f) for f in model.feature_names_in_]
     return arrays, attrs
-
-
-def _predict_block(x, model: KernelKMeans):
-    P = model._features(x)
-    labels, _ = assign(P, model.cluster_centers_)
-    return np.asarray(labels, dtype=np.int64)
-
-
-def _check_chunk(x, block_info) -> None:
-    """Refuse NaN or infinity in one row chunk of a dask X, naming its global row and chunk.
-
-    ``block_info`` is what :meth:`dask.array.Array.map_blocks` passes: the
-    chunk's place in X (absent when dask calls the function outside a task).
-    """
-    info = (block_info or {}).get(0)
-    if info is None:
-        check_finite(x)
-        return
-    check_finite(x, int(info["array-location"][0][0]), int(info["chunk-location"][0]))
-
-
-def _checked_features(x, model: KernelKMeans, block_info=None):
-    """One chunk of :meth:`KernelKMeans.transform` on a dask X, checked first."""
-    _check_chunk(x, block_info)
-    return model._features(x)
-
-
-def _checked_predict(x, model: KernelKMeans, block_info=None):
-    """One chunk of :meth:`KernelKMeans.predict` on a dask X, checked first."""
-    _check_chunk(x, block_info)
-    return _predict_block(x, model)
 
 
 def _is_json(v) -> bool:

@@ -111,6 +111,34 @@ def test_fitted_model_pickles_without_lazy_state(client):
     np.testing.assert_array_equal(clone.predict(X), model.predict(X))
 
 
+def test_predict_and_transform_tasks_run_where_scikit_learn_is_not_imported(client, tmp_path):
+    """The tasks carry the map of new rows, not the estimator: a fresh worker process
+    that runs them imports neither scikit-learn nor dkicf.estimator (2-3 s each)."""
+    import subprocess
+    import sys
+
+    X, _ = make_ring(400, random_state=0)
+    model = KernelKMeans(n_clusters=2, gamma=16.0, rank=20, random_state=0).fit(X)
+    dX = da.from_array(X, chunks=150)
+    labels, features = model.predict(dX), model.transform(dX)
+    graphs = {"labels": (dict(labels.__dask_graph__()), labels.__dask_keys__()),
+              "features": (dict(features.__dask_graph__()), features.__dask_keys__())}
+    (tmp_path / "graphs.pkl").write_bytes(pickle.dumps(graphs))
+    script = (
+        "import pickle, sys, numpy as np, dask\n"
+        "graphs = pickle.loads(open('graphs.pkl', 'rb').read())\n"
+        "out = {name: dask.get(*g) for name, g in graphs.items()}\n"
+        "np.save('labels.npy', np.concatenate(out['labels']))\n"
+        "np.save('features.npy', np.concatenate([b[0] for b in out['features']]))\n"
+        "print(sorted(m for m in ('sklearn', 'dkicf.estimator') if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+    np.testing.assert_array_equal(np.load(tmp_path / "labels.npy"), model.labels_)
+    np.testing.assert_array_equal(np.load(tmp_path / "features.npy"), model.transform(X))
+
+
 def test_save_and_load_predict_identically(tmp_path, rng):
     from dkicf import load
 
