@@ -126,7 +126,7 @@ def _open_array(root: str, path: str, token: str, options: str):
     import zarr
 
     kw = {"storage_options": json.loads(options)} if options else {}
-    return zarr.open_array(store=root, path=path or None, mode="r+", **kw)
+    return zarr.open_array(store=root, path=path or None, mode="r+", zarr_format=3, **kw)
 
 
 class ChunkState:

@@ -62,7 +62,7 @@ def _dkicf_attrs(url: str, kind: str, options: dict | None = None) -> dict | Non
     import zarr  # imported on use: the CLI's parser reads this package without zarr
 
     try:
-        node = zarr.open(store=url, mode="r", **_kw(options))
+        node = zarr.open(store=url, mode="r", zarr_format=3, **_kw(options))
     except Exception:  # not a Zarr node at all
         return None
     meta = node.attrs.asdict().get("dkicf")
@@ -279,7 +279,7 @@ class StateCheckpoint:
         c = self.commit
         if c is None:
             return None
-        group = zarr.open_group(store=self.url, mode="r", **self._kw)
+        group = zarr.open_group(store=self.url, mode="r", zarr_format=3, **self._kw)
         arrays = {name: np.asarray(group[f"{name}_{buf}"][...])
                   for name, buf in c["arrays"].items()}
         return c["step"], arrays, c["state"]
@@ -292,7 +292,7 @@ class StateCheckpoint:
         buffers = dict(self.commit["arrays"]) if self.commit else {}
         _check_still_there(self.url, self.kind, f"{self.kind.removeprefix('state-')} checkpoint",
                            self._kw.get("storage_options"))
-        group = zarr.open_group(store=self.url, mode="r+", **self._kw)
+        group = zarr.open_group(store=self.url, mode="r+", zarr_format=3, **self._kw)
         for name, value in arrays.items():
             value = np.asarray(value)
             spare = 1 - buffers[name] if name in buffers else 0

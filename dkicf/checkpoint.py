@@ -162,7 +162,8 @@ class PStore(_Storage):
 
         r = history.rank if rank is None else rank
         self.backend.write_p(self.p_spec, r)  # the tails: P is complete before it says so
-        arr = zarr.open_array(store=self.p_spec.root, mode="r+", **self.p_spec.zarr_kwargs())
+        arr = zarr.open_array(store=self.p_spec.root, mode="r+", zarr_format=3,
+                              **self.p_spec.zarr_kwargs())
         meta = dict(arr.attrs.asdict()["dkicf"])
         meta.update(
             status="finished", rank=r, stop_reason=stop,
@@ -263,7 +264,7 @@ class Checkpoint(_Storage):
         target = "e_0" if self.current == "e_1" else "e_1"
         backend.write_e(spec, target)
         _phase("e", it)
-        group = zarr.open_group(store=spec.root, mode="r+", **spec.zarr_kwargs())
+        group = zarr.open_group(store=spec.root, mode="r+", zarr_format=3, **spec.zarr_kwargs())
         lo = self._saved_rank
         if r > lo:
             group["L"][lo:r, :r] = history.L[lo:r, :r]
@@ -307,7 +308,8 @@ class Checkpoint(_Storage):
 
         c = self.commit
         r = c["rank"]
-        group = zarr.open_group(store=self.url, mode="r", **self.ckpt_spec.zarr_kwargs())
+        group = zarr.open_group(store=self.url, mode="r", zarr_format=3,
+                                **self.ckpt_spec.zarr_kwargs())
         aux = np.asarray(group["pivot_aux"][:r]) if c["has_aux"] else None
         return History.restore(
             kernel, capacity, np.asarray(c["pivots"], dtype=np.int64),
@@ -323,14 +325,13 @@ class Checkpoint(_Storage):
         r = c["rank"]
         history = self._load_history(kernel, max(r, 1))
         kw = self.ckpt_spec.zarr_kwargs()
-        group = zarr.open_group(store=self.url, mode="r", **kw)
+        group = zarr.open_group(store=self.url, mode="r", zarr_format=3, **kw)
         if dask_input:
             import dask.array as da
 
             chunks = tuple(self.layout["chunks"])
-            P = da.from_zarr(self.url, component="P", chunks=(chunks, group["P"].shape[1]), **kw)
-            P = P[:, :r]
-            residual = da.from_zarr(self.url, component=c["e"], chunks=(chunks,), **kw)
+            P = da.from_zarr(group["P"], chunks=(chunks, group["P"].shape[1]))[:, :r]
+            residual = da.from_zarr(group[c["e"]], chunks=(chunks,))
         else:
             P = np.asarray(group["P"][:, :r])
             residual = np.asarray(group[c["e"]][:])

@@ -132,13 +132,37 @@ class _FailingPuts:
         return _call_s3
 
 
+class _Keys:
+    """Record the keys of the object store's requests (s3fs's ``_call_s3``)."""
+
+    def __init__(self):
+        self.keys = []
+
+    def __call__(self, original):
+        keys = self.keys
+
+        async def _call_s3(fs, method, *args, **kwargs):
+            keys.append(kwargs.get("Key") or kwargs.get("Prefix") or "")
+            return await original(fs, method, *args, **kwargs)
+
+        return _call_s3
+
+
 def test_a_fit_on_the_object_store_equals_the_local_fit_and_overwrites_only_when_asked(
-        s3, dataset, thread_client):
+        s3, dataset, thread_client, monkeypatch):
     url, reference = dataset
     before = _objects(s3, "data.zarr")
     out, ck = f"s3://{BUCKET}/fit.zarr", f"s3://{BUCKET}/fit-ck.zarr"
+    seen = _Keys()
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", seen(s3fs.S3FileSystem._call_s3))
     pipeline.fit_store(url, out, PARAMS, client=thread_client, storage_options=s3,
                        checkpoint=ck, checkpoint_every=4)
+    monkeypatch.undo()
+    # Every node here is Zarr v3 (and dkicf writes no other): no request looks for the
+    # metadata of Zarr v2, each one a round trip to the store.
+    v2 = [key for key in seen.keys if key.rstrip("/").rsplit("/", 1)[-1]
+          in (".zgroup", ".zarray", ".zattrs", ".zmetadata")]
+    assert seen.keys and not v2, sorted(set(v2))
     _assert_same(_arrays(out, s3), reference)
     written = _objects(s3, "fit.zarr")
     with pytest.raises(OutputExistsError, match=f"{out} already exists; pass overwrite=True"):

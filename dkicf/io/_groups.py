@@ -139,7 +139,8 @@ def read_group(
             f"{url} is a Zarr array, not a group; read it with dkicf.io.open_array, or pass "
             "the group that contains it."
         )
-    group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+    group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r",
+                            zarr_format=node.zarr_format)
     found, attrs = _read_layout(dict(group.attrs), url)
     if kind is not None and found != kind:
         said = f"kind {found!r}" if found is not None else "no dkicf kind"
@@ -164,7 +165,8 @@ def read_group(
 def remove_member(group_url, name: str, *, storage_options: dict | None = None) -> None:
     """Remove the member ``name`` of a group being built (inside :func:`staged_group`)."""
     group = zarr.open_group(
-        store=_store(os.fspath(group_url), storage_options, read_only=False), mode="r+"
+        store=_store(os.fspath(group_url), storage_options, read_only=False), mode="r+",
+        zarr_format=3,
     )
     if name in group:
         del group[name]
@@ -218,7 +220,7 @@ def write_dask(group_url, name: str, darr, *, storage_options: dict | None = Non
     local = _local_path(group_url)
     store = (_StagingStore(local) if local is not None and local.is_dir()
              else _store(group_url, storage_options, read_only=False))
-    group = zarr.open_group(store=store, mode="a")
+    group = zarr.open_group(store=store, mode="a", zarr_format=3)
     arr = group.create_array(name, shape=darr.shape, chunks=chunks, dtype=darr.dtype,
                              overwrite=True, config={"write_empty_chunks": True},
                              dimension_names=_dims(name, darr.ndim))

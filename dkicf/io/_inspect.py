@@ -25,7 +25,8 @@ def inspect(url, *, storage_options: dict | None = None) -> tuple[str, dict]:
         arr = open_array(url, storage_options=storage_options)
         return "dataset", _array_details(arr)
     names = _group_arrays(url, storage_options)
-    group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+    group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r",
+                            zarr_format=node.zarr_format)
     kind, attrs = _read_layout(dict(group.attrs), url)
     if kind == "icf-checkpoint":
         return "checkpoint", _checkpoint_details(url, attrs, storage_options)
@@ -90,7 +91,8 @@ def _checkpoint_details(url: str, meta: dict, storage_options: dict | None) -> d
 def _kmeans_checkpoint_line(url: str, storage_options: dict | None) -> str:
     """The state of the k-means checkpoint that a fit keeps beside its factorization."""
     try:
-        group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+        group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r",
+                                zarr_format=3)
         meta = dict(group.attrs).get("dkicf") or {}
     except Exception:  # no such subgroup: k-means has not started
         return "not started"

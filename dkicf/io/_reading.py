@@ -255,7 +255,8 @@ def open_dataset(url, *, storage_options: dict | None = None):
                 "group holds X (n_samples, n_features) and optionally y."
             )
         X = as_dask(_join(url, "X"), storage_options=storage_options)
-        group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r")
+        group = zarr.open_group(store=_store(url, storage_options, read_only=True), mode="r",
+                                zarr_format=node.zarr_format)
         attrs = _read_layout(dict(group.attrs), url)[1]
         y = None
         if "y" in names:
