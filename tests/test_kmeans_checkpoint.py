@@ -201,10 +201,14 @@ def test_every_commit_of_a_minibatch_fit_resumes_exactly(tmp_path, references, p
 @pytest.mark.parametrize("kind", ["numpy", "dask"])
 def test_every_commit_of_the_default_fit_resumes_exactly(client, tmp_path, references, kind,
                                                          monkeypatch):
-    """Commits in the mini-batch phase and in the Lloyd phase resume bit-identically."""
+    """Commits in the mini-batch phase and in the Lloyd phase resume bit-identically
+    (every commit on numpy; every other one and the last on dask, whose fits of these
+    600 rows take a second each in round trips)."""
     import zarr
 
     ref, commits, _ = references[kind, "minibatch-lloyd"]
+    if kind == "dask":
+        commits = sorted(set(commits[::2]) | {commits[-1]})
     phases = set()
     for at in commits:
         url = str(tmp_path / f"km{at}")
