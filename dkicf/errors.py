@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 __all__ = [
     "CheckpointMismatchError",
     "DegenerateKernelWarning",
@@ -74,6 +76,7 @@ def worker_failure(exc: BaseException, stage: str, iteration: int, storage=None,
     ``resume_hint``, when given, replaces the sentence on resuming built from
     a factorization checkpoint's last commit.
     """
+    _release_frames(exc)
     url = getattr(storage, "url", None)
     if resume_hint is not None:
         hint = resume_hint
@@ -96,3 +99,19 @@ def worker_failure(exc: BaseException, stage: str, iteration: int, storage=None,
         f"{_CAUSE} {hint}",
         stage, iteration, url,
     )
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the local variables of the finished frames that ``exc`` (and its causes) went
+    through.
+
+    The error is kept after it is raised (an interactive session keeps the
+    last one).  Those frames held the futures of the tasks that failed, and
+    with them their erred keys on the scheduler: calling again with the same
+    data, as the message says to, got the same error back without running.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__

@@ -746,6 +746,25 @@ def _killing_identity(x):
     return x
 
 
+def test_a_call_again_after_p_killed_its_workers_recomputes_p(nanny_client):
+    """The error says to call again once the cause is fixed: with the error still held (an
+    interactive session keeps the last one), the same P is computed afresh, not handed
+    back as the chunk that killed its workers."""
+    km = importlib.import_module("dkicf.kmeans")
+    client, marker = nanny_client
+    P = da.from_array(np.random.default_rng(2).normal(size=(600, 4)),
+                      chunks=300).map_blocks(_killing_identity)
+    centers = np.zeros((2, 4))
+    with armed(client, marker, "_killing_identity"), pytest.raises(
+            WorkerFailureError, match="labelling failed") as info:
+        km.assign(P, centers, client=client)
+    both_workers(client)
+    labels, inertia = km.assign(P, centers, client=client)
+    assert info.value.stage == "labelling"
+    np.testing.assert_array_equal(np.asarray(labels), np.zeros(600))
+    assert inertia == pytest.approx(float((P.compute(scheduler="sync") ** 2).sum()))
+
+
 def test_write_whose_task_kills_its_workers_fails_clearly(nanny_client, tmp_path):
     from dkicf import io
 
