@@ -29,11 +29,14 @@ logger = logging.getLogger("dkicf.kmeans")
 _REASSIGNMENT_RATIO = 1e-3
 
 
-# Mini-batch prefetch: rows of as many future steps as fit in this budget.
-_PREFETCH_ROWS = 65536
+# Mini-batch prefetch: rows of as many future steps as fit in this budget.  The
+# default run (max_iter 100, batches of 1024) fetches once up to s = 163, so that
+# on dask all its rows come while k-means|| runs (a run ending early leaves part of
+# its fetch unused; a second fetch would have cost a wait on the workers).
+_PREFETCH_ROWS = 102400
 
 
-_PREFETCH_BYTES = 64 << 20
+_PREFETCH_BYTES = 128 << 20
 
 
 # A remote P: the first fetch of as many runs as fit in this budget is brought

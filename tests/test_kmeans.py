@@ -347,6 +347,26 @@ def test_runs_first_batches_come_ahead_on_dask_and_change_nothing(km_client, mon
     assert seen_np and not any(name.startswith("dkicf-batches") for name in seen_np)
 
 
+def test_a_default_run_fetches_its_rows_once_and_all_five_come_ahead():
+    """With the defaults (100 steps of 1,024 rows) a run's rows fit one fetch up to
+    s = 163, and the five runs' first fetches fit the budget brought during k-means||:
+    the mini-batch phase then never waits on the workers."""
+    import inspect
+
+    from dkicf import _kmeans_runs
+    from dkicf._kmeans_config import _check_config
+
+    d = {k: v.default for k, v in inspect.signature(kmeans).parameters.items()}
+    assert (d["batch_size"], d["max_iter"], d["n_init"]) == (1024, 100, 5)
+    for s, steps in ((16, 100), (150, 100), (163, 100), (164, 99), (500, 32)):
+        cfg = _check_config(10**6, s, 10, d["algorithm"], d["init"], d["batch_size"],
+                            d["n_init"], d["max_iter"], d["tol"], d["max_no_improvement"],
+                            d["init_size"], None)
+        per = _kmeans_runs._batches_per_fetch(cfg, s)
+        assert per == steps, (s, per)
+        assert _kmeans_runs._AHEAD_BYTES // (8 * per * cfg.batch_size * s) >= cfg.n_init
+
+
 def test_a_first_fetch_that_failed_raises_when_its_run_takes_it(km_client, monkeypatch):
     import threading
 
