@@ -875,14 +875,11 @@ class DaskBackend:
 
     def result_arrays(self, rank: int):
         import dask.array as da
-        import zarr
 
         if self.store is not None:
             self.write_p(self.store, rank)
-            root, path = self.store.root, self.store.p_path
-            stored = zarr.open_array(store=root, path=path or None, mode="r", zarr_format=3,
-                                     **self.store.zarr_kwargs())
-            P = da.from_zarr(stored, chunks=(self.input_chunks, self.capacity))[:, :rank]
+            P = da.from_zarr(self.store.array(),
+                             chunks=(self.input_chunks, self.capacity))[:, :rank]
         else:
             P = self._memory_P(rank)
         e = da.concatenate(

@@ -5,6 +5,8 @@ Starting one is :mod:`dkicf.deploy`'s job (:func:`dkicf.deploy.local_cluster`).
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["all_workers", "get_client"]
 
 
@@ -31,8 +33,7 @@ def all_workers(client) -> dict:
     ask = client.scheduler_info  # an asynchronous client or a stand-in: its own answer
     scheduler = getattr(client, "scheduler", None)
     if scheduler is not None and not getattr(client, "asynchronous", True):
-        def ask(**kwargs):
-            return client.sync(scheduler.identity, **kwargs)
+        ask = functools.partial(client.sync, scheduler.identity)
     try:
         info = ask(n_workers=-1)
     except TypeError:  # distributed < 2025.4: no such argument, every worker listed

@@ -330,7 +330,8 @@ class Checkpoint(_Storage):
             import dask.array as da
 
             chunks = tuple(self.layout["chunks"])
-            P = da.from_zarr(group["P"], chunks=(chunks, group["P"].shape[1]))[:, :r]
+            stored = group["P"]
+            P = da.from_zarr(stored, chunks=(chunks, stored.shape[1]))[:, :r]
             residual = da.from_zarr(group[c["e"]], chunks=(chunks,))
         else:
             P = np.asarray(group["P"][:, :r])
