@@ -3,8 +3,9 @@
 Imported by :func:`dkicf.cli.main` only once a command runs: this module
 imports dask and zarr, which ``--help``, ``--version`` and a usage error do
 not need.  A command imports scikit-learn and the estimator where it uses
-them (about 2 s): ``info``, ``convert``, ``generate`` and the cluster
-commands do without.
+them (about 2 s): ``fit``, ``demo`` and ``bench`` do; ``predict``, ``plot``,
+``info``, ``convert``, ``generate`` and the cluster commands do without
+(a saved model is read by :func:`dkicf._saved.read_model`).
 """
 
 from __future__ import annotations
@@ -441,7 +442,7 @@ def _print_report(report: dict, *, as_json: bool = False) -> None:
 
 
 def _cmd_predict(args) -> int:
-    from .estimator import load
+    from ._saved import read_model
     from .pipeline import predict_store
 
     _check_cluster_args(args)
@@ -449,15 +450,15 @@ def _cmd_predict(args) -> int:
                                        args.model, args.store, args.out)
     _check_outputs(args.out, {"the model": args.model, "the dataset": args.store},
                    overwrite=args.overwrite, writes="labels", storage_options=storage_options)
-    model = load(args.model, storage_options=storage_options)
+    model = read_model(args.model, storage_options=storage_options)
     X, _, _ = io.open_dataset(args.store, storage_options=storage_options)
     n, d = X.shape
-    if d != model.n_features_in_:
+    if d != model.n_features_in:
         raise ValueError(
             f"{args.store} has {d} features but the model {args.model} was fitted on "
-            f"{model.n_features_in_}; predict with data of the same features."
+            f"{model.n_features_in}; predict with data of the same features."
         )
-    in_process = not _wants_cluster(args) and _fits_in_process(8 * n * (d + model.rank_))
+    in_process = not _wants_cluster(args) and _fits_in_process(8 * n * (d + model.rank))
     with _cluster(args, in_process=in_process) as client:
         report = predict_store(args.model, args.store, args.out, client=client,
                                overwrite=args.overwrite, storage_options=storage_options)

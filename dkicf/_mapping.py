@@ -55,6 +55,17 @@ class FeatureMap:
         labels, _ = assign(self.features(x), self.centers)
         return np.asarray(labels, dtype=np.int64)
 
+    def dask_features(self, X):
+        """``p(x)`` of a dask X, one task per row chunk, each chunk checked for NaN first."""
+        return X.map_blocks(checked_features, self, dtype=np.float64,
+                            chunks=(X.chunks[0], (self.cholesky_factor.shape[0],)),
+                            meta=np.empty((0, 0), dtype=np.float64))
+
+    def dask_labels(self, X):
+        """:meth:`labels` of a dask X, one task per row chunk, each chunk checked first."""
+        return X.map_blocks(checked_labels, self, dtype=np.int64, drop_axis=1,
+                            chunks=(X.chunks[0],), meta=np.empty((0,), dtype=np.int64))
+
 
 def _check_chunk(x, block_info) -> None:
     """Refuse NaN or infinity in one row chunk of a dask X, naming its global row and chunk.

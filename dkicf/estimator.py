@@ -19,8 +19,9 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from . import io
 from ._cluster import get_client
 from ._factor import ICFResult
-from ._mapping import FeatureMap, checked_features, checked_labels
+from ._mapping import FeatureMap
 from ._plan import plan_for_cluster
+from ._saved import read_model
 from ._validation import check_array_2d, check_positive_int, is_dask_array
 from ._version import __version__
 from .icf import incomplete_cholesky
@@ -29,9 +30,6 @@ from .kmeans import ALGORITHMS, INITS, KMeansResult, assign, kmeans
 from .pivoting import check_pivoting
 
 __all__ = ["FitStages", "KernelKMeans", "check_fit_params", "fit_stages", "load"]
-
-_MODEL_ARRAYS = ("cluster_centers", "pivots", "pivot_rows", "cholesky_factor", "trace_errors")
-
 
 class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMixin,
                    BaseEstimator):
@@ -376,11 +374,7 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
     def _transform_checked(self, X):
         """Features of an X from :meth:`_check_X_predict`; dask chunks are checked in tasks."""
         if is_dask_array(X):
-            return X.map_blocks(
-                checked_features, self._feature_map(), dtype=np.float64,
-                chunks=(X.chunks[0], (self.rank_,)),
-                meta=np.empty((0, 0), dtype=np.float64),
-            )
+            return self._feature_map().dask_features(X)
         return self._feature_map().features(X)
 
     def predict(self, X):
@@ -398,11 +392,7 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
         """
         X = self._check_X_predict(X)
         if is_dask_array(X):
-            return X.map_blocks(
-                checked_labels, self._feature_map(), dtype=np.int64, drop_axis=1,
-                chunks=(X.chunks[0],),
-                meta=np.empty((0,), dtype=np.int64),
-            )
+            return self._feature_map().dask_labels(X)
         return self._feature_map().labels(X)
 
     def score(self, X, y=None):
@@ -621,110 +611,23 @@ def load(path, *, storage_options=None) -> KernelKMeans:
         The group is not a dkicf model, is damaged, or was written by a newer
         dkicf (a later Zarr layout schema).  Models of earlier schemas are read.
     """
-    path = io.absolute_location(path)
-    arrays, attrs = io.read_group(path, storage_options=storage_options, names=_MODEL_ARRAYS,
-                                  kind="model")
-    _check_saved_model(path, arrays, attrs)
-    params = {k: v for k, v in attrs["params"].items() if k in KernelKMeans().get_params()}
+    saved = read_model(path, storage_options=storage_options)
+    params = {k: v for k, v in saved.params.items() if k in KernelKMeans().get_params()}
     model = KernelKMeans(**params)
-    kparams = dict(attrs["kernel"])
-    name = kparams.pop("kernel")
-    model.kernel_ = make_kernel(name, **kparams)
-    model.pivots_ = np.asarray(arrays["pivots"], dtype=np.int64)
-    model.pivot_rows_ = np.asarray(arrays["pivot_rows"], dtype=np.float64)
-    model.cholesky_factor_ = np.asarray(arrays["cholesky_factor"], dtype=np.float64)
-    model.trace_errors_ = np.asarray(arrays["trace_errors"], dtype=np.float64)
-    model.cluster_centers_ = np.asarray(arrays["cluster_centers"], dtype=np.float64)
-    model.n_features_in_ = int(attrs["n_features_in"])
-    if "feature_names_in" in attrs:
-        model.feature_names_in_ = np.asarray(attrs["feature_names_in"], dtype=object)
-    model.rank_ = int(attrs["rank"])
-    model.inertia_ = float(attrs["inertia"])
-    model.n_iter_ = int(attrs["n_iter"])
-    model.initial_trace_ = float(attrs["initial_trace"])
-    model.stop_reason_ = attrs["stop_reason"]
-    model.n_passes_ = int(attrs["n_passes"])
+    model.kernel_ = saved.kernel
+    model.pivots_ = saved.pivots
+    model.pivot_rows_ = saved.pivot_rows
+    model.cholesky_factor_ = saved.cholesky_factor
+    model.trace_errors_ = saved.trace_errors
+    model.cluster_centers_ = saved.cluster_centers
+    model.n_features_in_ = saved.n_features_in
+    if saved.feature_names_in is not None:
+        model.feature_names_in_ = saved.feature_names_in
+    model.rank_ = saved.rank
+    model.inertia_ = saved.inertia
+    model.n_iter_ = saved.n_iter
+    model.initial_trace_ = saved.initial_trace
+    model.stop_reason_ = saved.stop_reason
+    model.n_passes_ = saved.n_passes
     model._pivot_aux = model.kernel_.prepare(model.pivot_rows_)
     return model
-
-
-def _check_saved_model(path: str, arrays: dict, attrs: dict) -> None:
-    """Refuse a model group whose arrays or attributes a fit cannot have written.
-
-    Models are input too: a damaged or tampered group must fail here, naming
-    what is wrong, not deep inside a prediction (or, worse, predict labels).
-    """
-    def refuse(what: str):
-        raise io.DkicfIOError(
-            f"{path} is not a valid dkicf model: {what}. The model group is damaged or was "
-            "changed: restore it, or fit and save the model again."
-        )
-
-    def integer(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    for key, check, kind in [
-        ("params", lambda v: isinstance(v, dict), "a dict"),
-        ("kernel", lambda v: isinstance(v, dict) and isinstance(v.get("kernel"), str),
-         "a dict naming the kernel"),
-        ("n_features_in", lambda v: integer(v) and v >= 1, "a positive integer"),
-        ("rank", lambda v: integer(v) and v >= 0, "a non-negative integer"),
-        ("inertia", lambda v: number(v) and np.isfinite(v) and v >= 0, "a finite number >= 0"),
-        ("n_iter", lambda v: integer(v) and v >= 0, "a non-negative integer"),
-        ("initial_trace", lambda v: number(v) and np.isfinite(v), "a finite number"),
-        ("stop_reason", lambda v: isinstance(v, str), "a string"),
-        ("n_passes", lambda v: integer(v) and v >= 0, "a non-negative integer"),
-    ]:
-        if key not in attrs:
-            refuse(f"the attribute {key!r} is missing")
-        if not check(attrs[key]):
-            refuse(f"the attribute {key!r} is {str(attrs[key])[:60]}, not {kind}")
-    missing = [name for name in _MODEL_ARRAYS if name not in arrays]
-    if missing:
-        refuse(f"the array(s) {', '.join(missing)} are missing")
-    r, d = attrs["rank"], attrs["n_features_in"]
-    pivots, rows = arrays["pivots"], arrays["pivot_rows"]
-    L, centers = arrays["cholesky_factor"], arrays["cluster_centers"]
-    trace_errors = arrays["trace_errors"]
-    if pivots.shape != (r,) or pivots.dtype.kind not in "iu":
-        refuse(f"pivots has shape {pivots.shape} and dtype {pivots.dtype}, not ({r},) "
-               "integers (one training row per rank)")
-    shape = attrs["input"].get("shape") if isinstance(attrs.get("input"), dict) else None
-    n_train = shape[0] if isinstance(shape, list) and shape and integer(shape[0]) else None
-    if r and (pivots.min() < 0 or (n_train is not None and pivots.max() >= n_train)):
-        within = f"0..{n_train - 1}, the training rows" if n_train is not None else "0.."
-        refuse(f"pivots range over {pivots.min()}..{pivots.max()}, outside {within}")
-    if np.unique(pivots).size != pivots.size:
-        refuse("pivots holds the same row twice")
-    if rows.shape != (r, d):
-        refuse(f"pivot_rows has shape {rows.shape}, not ({r}, {d}) (rank, n_features_in)")
-    if L.shape != (r, r):
-        refuse(f"cholesky_factor has shape {L.shape}, not ({r}, {r})")
-    if np.any(np.triu(L, 1)):
-        refuse("cholesky_factor is not lower triangular")
-    if r and not np.all(np.diag(L) > 0):
-        refuse("cholesky_factor has a diagonal entry that is not positive")
-    if centers.ndim != 2 or centers.shape[1] != r or centers.shape[0] < 1:
-        refuse(f"cluster_centers has shape {centers.shape}, not (n_clusters, {r})")
-    k = attrs["params"].get("n_clusters")
-    if integer(k) and centers.shape[0] != k:
-        refuse(f"cluster_centers has {centers.shape[0]} rows for n_clusters={k}")
-    if trace_errors.ndim != 1:
-        refuse(f"trace_errors has shape {trace_errors.shape}, not 1-D")
-    for name, value in (("pivot_rows", rows), ("cholesky_factor", L),
-                        ("cluster_centers", centers), ("trace_errors", trace_errors)):
-        if not np.isfinite(value).all():
-            refuse(f"{name} holds NaN or infinity")
-    names = attrs.get("feature_names_in")
-    if names is not None and (not isinstance(names, list) or len(names) != d
-                              or not all(isinstance(n, str) for n in names)):
-        refuse(f"feature_names_in is not a list of {d} strings")
-    kparams = dict(attrs["kernel"])
-    name = kparams.pop("kernel")
-    try:
-        make_kernel(name, **kparams)
-    except (TypeError, ValueError) as exc:
-        refuse(f"its kernel {attrs['kernel']} cannot be made ({exc})")

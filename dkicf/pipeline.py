@@ -15,7 +15,7 @@ import numpy as np
 
 from . import io
 from ._plan import FitPlan, _worker_resources, describe, plan_fit, plan_for_cluster  # noqa: F401
-from .estimator import KernelKMeans, _model_arrays_attrs, check_fit_params, fit_stages, load
+from ._saved import read_model
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +240,9 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
                  storage_options, progress, checkpoint, checkpoint_every, resume,
                  save_p) -> dict:
     """:func:`fit_store` once its locations are absolute, checked and claimed."""
+    # Here, not at the top: predicting imports this module, and needs no scikit-learn.
+    from .estimator import KernelKMeans, _model_arrays_attrs, check_fit_params, fit_stages
+
     X, y, info = io.open_dataset(store, storage_options=storage_options)
     model = KernelKMeans(**params)
     check_fit_params(model, X.shape[0])
@@ -344,15 +347,15 @@ def predict_store(
 
 def _predict_claimed(model_path, store, out, *, client, overwrite, storage_options) -> dict:
     """:func:`predict_store` once its locations are absolute, checked and claimed."""
-    model = load(model_path, storage_options=storage_options)
+    model = read_model(model_path, storage_options=storage_options)
     X, y, _ = io.open_dataset(store, storage_options=storage_options)
-    if X.shape[1] != model.n_features_in_:
+    if X.shape[1] != model.n_features_in:
         raise ValueError(
             f"{store} has {X.shape[1]} features but the model was fitted on "
-            f"{model.n_features_in_}; predict with data of the same features."
+            f"{model.n_features_in}; predict with data of the same features."
         )
     t0 = time.perf_counter()
-    labels = model.predict(X).astype(np.int32)
+    labels = model.feature_map().dask_labels(X).astype(np.int32)
     with io.staged_group(out, overwrite=overwrite, storage_options=storage_options) as target:
         attrs = {"model": str(model_path),
                  "input": _input_fingerprint(store, None, storage_options)}
@@ -362,7 +365,7 @@ def _predict_claimed(model_path, store, out, *, client, overwrite, storage_optio
     report = {"n_samples": int(X.shape[0]), "predict_s": time.perf_counter() - t0, "out": out}
     if y is not None:
         stored = io.open_member(out, "labels", storage_options=storage_options)
-        table = _contingency(stored.rechunk(y.chunks), y, model.n_clusters)
+        table = _contingency(stored.rechunk(y.chunks), y, model.cluster_centers.shape[0])
         report["accuracy"] = _accuracy_from_contingency(table)
     return report
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from . import io
-from .estimator import load
+from ._saved import read_model
 
 __all__ = [
     "plot_trace_error",
@@ -245,45 +245,47 @@ def plot_model(model_path, out_dir, *, data=None, storage_options=None) -> list[
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = load(model_path, storage_options=storage_options)
-    tol = model.get_params().get("tol")
+    model = read_model(model_path, storage_options=storage_options)
+    tol = model.params.get("tol")
     paths = [
-        plot_trace_error(model.trace_errors_, out / "trace_error.png",
-                         initial_trace=model.initial_trace_, tol=tol)
+        plot_trace_error(model.trace_errors, out / "trace_error.png",
+                         initial_trace=model.initial_trace, tol=tol)
     ]
     labels = io.open_member(model_path, "labels", storage_options=storage_options)
     if labels is None:
         return paths
-    k = model.cluster_centers_.shape[0]
+    k = model.cluster_centers.shape[0]
     counts = np.asarray(_bincount(labels, k))
     paths.append(_save(_cluster_sizes_figure(counts), out / "cluster_sizes.png"))
-    title = f"k={k}, s={model.rank_}"
+    title = f"k={k}, s={model.rank}"
     idx = _sample(labels.shape[0], 0)
-    if model.n_features_in_ == 2 and data is not None:
-        X = _check_rows(io.open_dataset(data, storage_options=storage_options)[0], labels, data)
+    if model.n_features_in == 2 and data is not None:
+        X = _check_rows(io.open_dataset(data, storage_options=storage_options)[0], labels, data,
+                        model.n_features_in)
         Xs, ls = np.asarray(X[idx].compute()), np.asarray(labels[idx].compute())
         paths.append(plot_clusters_2d(Xs, ls, out / "clusters.png",
-                                      pivot_rows=model.pivot_rows_, counts=counts, title=title))
-    elif model.n_features_in_ > 2:
+                                      pivot_rows=model.pivot_rows, counts=counts, title=title))
+    elif model.n_features_in > 2:
         P = io.open_member(model_path, "P", storage_options=storage_options)
         if P is None and data is not None:
             X = _check_rows(io.open_dataset(data, storage_options=storage_options)[0], labels,
-                            data)
-            Ps = model.transform(np.asarray(X[idx].compute()))
+                            data, model.n_features_in)
+            Ps = model.feature_map().features(np.asarray(X[idx].compute()))
         elif P is not None:
             Ps = np.asarray(P[idx].compute())
         else:
             return paths
         ls = np.asarray(labels[idx].compute())
         paths.append(plot_clusters_pca(Ps, ls, out / "clusters.png", counts=counts,
-                                       pivot_features=model.cholesky_factor_, title=title))
+                                       pivot_features=model.cholesky_factor, title=title))
     return paths
 
 
-def _check_rows(X, labels, data):
-    if X.shape[0] != labels.shape[0]:
+def _check_rows(X, labels, data, n_features: int):
+    if X.shape[0] != labels.shape[0] or X.shape[1] != n_features:
         raise ValueError(
-            f"{data} has {X.shape[0]} rows but the model's labels have {labels.shape[0]}; "
+            f"{data} has {X.shape[0]} rows of {X.shape[1]} features but the model's labels "
+            f"have {labels.shape[0]} rows and it was fitted on {n_features} features; "
             "pass the dataset the model was fitted on."
         )
     return X

@@ -540,6 +540,30 @@ def test_info_and_convert_do_without_scikit_learn(tmp_path):
     assert "HEAVY []" in proc.stderr, proc.stderr
 
 
+def test_predict_and_plot_read_the_model_without_scikit_learn(ring_store, tmp_path, capsys):
+    """``dkicf predict`` and ``dkicf plot`` imported the estimator, and with it
+    scikit-learn (1.5-3 s of their 5-7 s), only to read the saved model."""
+    import zarr
+
+    from dkicf.cli import main
+
+    assert main(["fit", str(ring_store / "ring.zarr"), "--clusters", "2", "--gamma", "16",
+                 "--rank", "30", "--out", str(tmp_path / "m.zarr"), "--quiet"]) == 0
+    capsys.readouterr()
+    proc = _run_then_list_imported(
+        f"assert main(['predict', 'm.zarr', {str(ring_store / 'ring.zarr')!r}, "
+        "'--out', 'labels.zarr', '--quiet']) == 0\n"
+        "assert main(['plot', 'm.zarr', '--out-dir', 'plots', '--quiet']) == 0\n",
+        ("sklearn", "dkicf.estimator"), tmp_path, timeout=180)
+    assert "HEAVY []" in proc.stderr, proc.stderr
+    assert "accuracy: 1" in proc.stdout, proc.stdout  # the rings, told apart as by the fit
+    fitted = zarr.open_array(tmp_path / "m.zarr" / "labels")[:]
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "labels.zarr" / "labels")[:],
+                                  fitted)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "cluster_sizes.png", "trace_error.png"]
+
+
 def test_the_package_api_resolves_lazily():
     import dkicf
     import dkicf.kmeans  # the submodule: dkicf.kmeans stays the function

@@ -130,7 +130,6 @@ def test_the_estimator_and_the_pipeline_fit_through_the_one_composition(blobs, t
         return original(model, X, **kw)
 
     monkeypatch.setattr(estimator, "fit_stages", fit_stages)
-    monkeypatch.setattr(pipeline, "fit_stages", fit_stages)
     KernelKMeans(**PARAMS).fit(X)
     pipeline.fit_store(path, str(tmp_path / "model.zarr"), PARAMS, client=None)
     assert seen == [("KernelKMeans", (1000, 2), []),
