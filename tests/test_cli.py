@@ -395,6 +395,59 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written left
 
 
+_SLOW_LAST_WRITE = """
+import asyncio, sys, time
+import dkicf.io._stores as stores
+from zarr.core.sync import loop
+
+original = stores._put_below
+
+def put_below(root, key, data, exclusive):
+    if "/c/" in key and (root / "X" / "c").exists():
+        # A chunk after the first: under way when SIGTERM comes, it ends just after
+        # the staging folder is removed.
+        while root.exists():
+            time.sleep(0.005)
+        time.sleep(0.05)
+    return original(root, key, data, exclusive)
+
+stores._put_below = put_below
+from dkicf.cli import main
+status = main(sys.argv[1:])
+
+async def pending():
+    return sum(not t.done() for t in asyncio.all_tasks()) - 1
+
+print("PENDING", asyncio.run_coroutine_threadsafe(pending(), loop[0]).result(), file=sys.stderr)
+sys.exit(status)
+"""
+
+
+def test_sigterm_lets_a_write_under_way_end_before_the_process_exits(tmp_path):
+    """A chunk write under way at SIGTERM ends (failing, its folder gone) before the
+    command returns: at exit, zarr stopped its loop with it pending, and asyncio printed
+    "Task was destroyed but it is pending!" and a traceback after "terminated"."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = tied_popen(
+        [sys.executable, "-c", _SLOW_LAST_WRITE, "--quiet", "generate", "blobs", "big.zarr",
+         "--n", "400000", "--features", "8", "--chunk-rows", "100000"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".big.zarr.dkicf-tmp-*/X/c/*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no chunk written in time"
+        time.sleep(0.02)
+    time.sleep(0.1)  # the next chunk's write has begun
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "PENDING 0" in err and "Traceback" not in err and "destroyed" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_ctrl_c_that_a_finalizer_swallowed_still_stops_the_fit(ring_store, tmp_path,
                                                                  monkeypatch, capsys):

@@ -759,6 +759,22 @@ def test_a_write_past_its_check_when_the_folder_goes_does_not_recreate_it(tmp_pa
     assert not list(root.rglob("*.partial"))
 
 
+def test_removing_a_staging_folder_waits_for_the_writes_zarr_still_runs(tmp_path):
+    """An interrupted write goes on in zarr's IO thread; a process that exits before it
+    ends has zarr stop its loop with the write pending (asyncio then prints a traceback
+    after the command's last line)."""
+    import asyncio
+
+    from zarr.core.sync import _get_loop
+
+    root = tmp_path / ".out.zarr.staging"
+    (root / "X").mkdir(parents=True)
+    under_way = asyncio.run_coroutine_threadsafe(asyncio.sleep(0.5), _get_loop())
+    io._staging._remove_staging(root)
+    assert under_way.done()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_info_on_a_checkpoint_says_how_far_the_fit_got(tmp_path, monkeypatch):
     """`dkicf info` on a fit's checkpoint: the factorization's commit, where P lives,
     k-means, and how to resume."""

@@ -18,6 +18,7 @@ from ._stores import (
     _fs,
     _local_path,
     _probe,
+    _settle_zarr_io,
     _StagingStore,
     _store,
     absolute_location,
@@ -252,6 +253,7 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
                 with contextlib.suppress(Exception):
                     if fs.exists(path):
                         fs.rm(path, recursive=True)
+            _settle_zarr_io(time.monotonic() + 30.0)
             raise
         return
     local = local.absolute()
@@ -270,12 +272,19 @@ def _remove_staging(tmp: Path, *, patience: float = 30.0) -> None:
     A write task still running (a failure or Ctrl-C does not stop it) may add
     files while the folder is being removed, so removal is repeated until the
     folder itself is gone.  From then on it stays gone: staged writes never
-    re-create their root (:class:`~dkicf.io._stores._StagingStore`).
+    re-create their root (:class:`~dkicf.io._stores._StagingStore`).  Then
+    the writes that zarr's IO thread still runs are waited for
+    (:func:`~dkicf.io._stores._settle_zarr_io`).
     """
+    if not os.path.lexists(tmp):  # published, or never made
+        return
     deadline = time.monotonic() + patience
     while True:
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.lexists(tmp) or time.monotonic() > deadline:
-            return
+            break
         time.sleep(0.05)
+    # The writes still under way fail at once now; let them end before this
+    # process may exit (zarr would stop its loop with them pending).
+    _settle_zarr_io(deadline)
 

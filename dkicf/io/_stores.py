@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,39 @@ class _StagingStore(LocalStore):
                 shutil.rmtree(child)
             else:
                 child.unlink()
+
+
+def _settle_zarr_io(deadline: float) -> None:
+    """Wait, until the ``time.monotonic()`` ``deadline``, for the work of zarr's IO loop to end.
+
+    An interrupted write goes on in zarr's IO thread after the caller has
+    unwound (and fails once its staging folder is gone).  A process that
+    exits first has zarr stop the loop with that write pending, and asyncio
+    prints a "Task was destroyed but it is pending" traceback after the
+    command's last line.
+    """
+    try:
+        from zarr.core.sync import loop as zarr_loop
+    except ImportError:  # pragma: no cover - another zarr layout: nothing to wait for
+        return
+    running = zarr_loop[0] if zarr_loop else None
+    if running is None or running.is_closed() or not running.is_running():
+        return
+
+    async def busy() -> bool:
+        me = asyncio.current_task()
+        return any(task is not me and not task.done() for task in asyncio.all_tasks())
+
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            if not asyncio.run_coroutine_threadsafe(busy(), running).result(timeout=left):
+                return
+        except (TimeoutError, RuntimeError):  # the loop stopped or does not answer
+            return
+        time.sleep(0.01)
 
 
 def _put_below(root: Path, key: str, data, exclusive: bool) -> None:
