@@ -248,12 +248,11 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
         except BaseException:
             # Twice: a write task still running when the fit failed (the others'
             # failure does not stop it) may re-create a file after the first removal.
-            for pause in (0.0, 0.5):
-                time.sleep(pause)
-                with contextlib.suppress(Exception):
-                    if fs.exists(path):
-                        fs.rm(path, recursive=True)
-            _settle_zarr_io(time.monotonic() + 30.0)
+            # In between, the writes that zarr's IO thread still runs may end.
+            _remove_quietly(fs, path)
+            _settle_zarr_io(time.monotonic() + 10.0)
+            time.sleep(0.5)
+            _remove_quietly(fs, path)
             raise
         return
     local = local.absolute()
@@ -264,6 +263,13 @@ def staged_group(url, *, overwrite: bool = False, storage_options: dict | None =
         _publish(tmp, local, url, overwrite=overwrite)
     finally:
         _remove_staging(tmp)
+
+
+def _remove_quietly(fs, path: str) -> None:
+    """Remove ``path`` from ``fs`` if it is there; an error is left for the caller's own."""
+    with contextlib.suppress(Exception):
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
 
 
 def _remove_staging(tmp: Path, *, patience: float = 30.0) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -206,12 +207,13 @@ def _settle_zarr_io(deadline: float) -> None:
     command's last line.
     """
     try:
-        from zarr.core.sync import loop as zarr_loop
+        from zarr.core.sync import iothread, loop
     except ImportError:  # pragma: no cover - another zarr layout: nothing to wait for
         return
-    running = zarr_loop[0] if zarr_loop else None
-    if running is None or running.is_closed() or not running.is_running():
-        return
+    running = loop[0] if loop else None
+    if (running is None or running.is_closed() or not running.is_running()
+            or threading.current_thread() is (iothread[0] if iothread else None)):
+        return  # no loop, or called from it (which would wait on itself)
 
     async def busy() -> bool:
         me = asyncio.current_task()
