@@ -262,6 +262,7 @@ class StateCheckpoint:
                               input_fp.get("chunks", ()))
             meta = existing
         self.meta = meta
+        self._group, self._arrays = None, {}  # opened by the first save
 
     @property
     def finished(self) -> bool:
@@ -292,18 +293,25 @@ class StateCheckpoint:
         buffers = dict(self.commit["arrays"]) if self.commit else {}
         _check_still_there(self.url, self.kind, f"{self.kind.removeprefix('state-')} checkpoint",
                            self._kw.get("storage_options"))
-        group = zarr.open_group(store=self.url, mode="r+", zarr_format=3, **self._kw)
+        if self._group is None:
+            # The group and its arrays are opened once: each open reads metadata
+            # again, a round trip on an object store.  The check above reads the
+            # group's at every commit.
+            self._group = zarr.open_group(store=self.url, mode="r+", zarr_format=3,
+                                          **self._kw)
+        group = self._group
         for name, value in arrays.items():
             value = np.asarray(value)
             spare = 1 - buffers[name] if name in buffers else 0
             key = f"{name}_{spare}"
-            old = group.get(key)
+            old = self._arrays[key] if key in self._arrays else group.get(key)
             if old is None or old.shape != value.shape or old.dtype != value.dtype:
                 # Small arrays, one chunk each, uncompressed: a commit costs a few writes.
                 old = group.create_array(key, shape=value.shape, dtype=value.dtype,
                                          chunks=value.shape or None, compressors=None,
                                          overwrite=True)
             old[...] = value
+            self._arrays[key] = old
             buffers[name] = spare
         _phase("arrays", step)
         commit = {"step": int(step), "arrays": buffers, "state": _jsonable(state),

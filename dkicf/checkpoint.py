@@ -194,6 +194,13 @@ class Checkpoint(_Storage):
         if commit and not self.finished:
             self.restore_point = (spec, self._point(commit))
             self.driver_state = commit.get("driver")
+        self._group, self._members = None, {}
+
+    def _member(self, name: str):
+        """The array ``name`` of the checkpoint's group, opened once (see :meth:`_save`)."""
+        if name not in self._members:
+            self._members[name] = self._group[name]
+        return self._members[name]
 
     @staticmethod
     def _point(commit: dict) -> dict:
@@ -264,13 +271,17 @@ class Checkpoint(_Storage):
         target = "e_0" if self.current == "e_1" else "e_1"
         backend.write_e(spec, target)
         _phase("e", it)
-        group = zarr.open_group(store=spec.root, mode="r+", zarr_format=3, **spec.zarr_kwargs())
-        lo = self._saved_rank
+        if self._group is None:
+            # Opened once: every open reads the node's metadata again, a round trip
+            # each on an object store.  The check above reads it at every commit.
+            self._group = zarr.open_group(store=spec.root, mode="r+", zarr_format=3,
+                                          **spec.zarr_kwargs())
+        group, lo = self._group, self._saved_rank
         if r > lo:
-            group["L"][lo:r, :r] = history.L[lo:r, :r]
-            group["pivot_rows"][lo:r] = history.rows[lo:r]
+            self._member("L")[lo:r, :r] = history.L[lo:r, :r]
+            self._member("pivot_rows")[lo:r] = history.rows[lo:r]
             if history.aux is not None:
-                group["pivot_aux"][lo:r] = history.aux[lo:r]
+                self._member("pivot_aux")[lo:r] = history.aux[lo:r]
         _phase("arrays", it)
         commit = {
             "iteration": it,

@@ -136,13 +136,15 @@ class _Keys:
     """Record the keys of the object store's requests (s3fs's ``_call_s3``)."""
 
     def __init__(self):
-        self.keys = []
+        self.keys, self.reads = [], []
 
     def __call__(self, original):
-        keys = self.keys
+        keys, reads = self.keys, self.reads
 
         async def _call_s3(fs, method, *args, **kwargs):
             keys.append(kwargs.get("Key") or kwargs.get("Prefix") or "")
+            if method == "get_object":
+                reads.append(keys[-1])
             return await original(fs, method, *args, **kwargs)
 
         return _call_s3
@@ -163,6 +165,9 @@ def test_a_fit_on_the_object_store_equals_the_local_fit_and_overwrites_only_when
     v2 = [key for key in seen.keys if key.rstrip("/").rsplit("/", 1)[-1]
           in (".zgroup", ".zarray", ".zattrs", ".zmetadata")]
     assert seen.keys and not v2, sorted(set(v2))
+    # The checkpoint's arrays are opened once for its three commits, not at each one.
+    for name in ("L", "pivot_rows", "pivot_aux"):
+        assert seen.reads.count(f"fit-ck.zarr/{name}/zarr.json") == 1, name
     _assert_same(_arrays(out, s3), reference)
     written = _objects(s3, "fit.zarr")
     with pytest.raises(OutputExistsError, match=f"{out} already exists; pass overwrite=True"):
