@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from collections.abc import Callable
@@ -614,20 +615,10 @@ def load(path, *, storage_options=None) -> KernelKMeans:
     saved = read_model(path, storage_options=storage_options)
     params = {k: v for k, v in saved.params.items() if k in KernelKMeans().get_params()}
     model = KernelKMeans(**params)
-    model.kernel_ = saved.kernel
-    model.pivots_ = saved.pivots
-    model.pivot_rows_ = saved.pivot_rows
-    model.cholesky_factor_ = saved.cholesky_factor
-    model.trace_errors_ = saved.trace_errors
-    model.cluster_centers_ = saved.cluster_centers
-    model.n_features_in_ = saved.n_features_in
-    if saved.feature_names_in is not None:
-        model.feature_names_in_ = saved.feature_names_in
-    model.rank_ = saved.rank
-    model.inertia_ = saved.inertia
-    model.n_iter_ = saved.n_iter
-    model.initial_trace_ = saved.initial_trace
-    model.stop_reason_ = saved.stop_reason
-    model.n_passes_ = saved.n_passes
+    # A SavedModel's fields are the fitted attributes' names without their underscore.
+    for field in dataclasses.fields(saved):
+        value = getattr(saved, field.name)
+        if field.name != "params" and value is not None:
+            setattr(model, f"{field.name}_", value)
     model._pivot_aux = model.kernel_.prepare(model.pivot_rows_)
     return model

@@ -374,23 +374,32 @@ def test_hints_are_spelled_as_the_commands_flags(tmp_path):
     assert "pass --overwrite to replace it" in _cli_message(info.value)
 
 
-def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+def _generate_then_sigterm(command: list, n: int, cwd, settle: float = 0.0):
+    """Run ``command`` (a Python command line ending in dkicf's arguments) as ``dkicf
+    generate blobs big.zarr`` of ``n`` rows; SIGTERM it ``settle`` seconds after its
+    first chunk is written.  Returns its exit status and stderr."""
     import signal
     import time
 
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = tied_popen(
-        [sys.executable, "-m", "dkicf.cli", "--quiet", "generate", "blobs", "big.zarr",
-         "--n", "40000000", "--features", "8", "--chunk-rows", "100000"],
-        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, *command, "--quiet", "generate", "blobs", "big.zarr",
+         "--n", str(n), "--features", "8", "--chunk-rows", "100000"],
+        cwd=cwd, stderr=subprocess.PIPE, text=True, env=env,
     )
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".big.zarr.dkicf-tmp-*/X/c/*")):
+    while not list(cwd.glob(".big.zarr.dkicf-tmp-*/X/c/*")):
         assert proc.poll() is None and time.monotonic() < deadline, "no chunk written in time"
-        time.sleep(0.05)
+        time.sleep(0.02)
+    time.sleep(settle)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    return proc.returncode, err
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+    returncode, err = _generate_then_sigterm(["-m", "dkicf.cli"], 40_000_000, tmp_path)
+    assert returncode == 143, err
     assert "terminated" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written left
 
@@ -427,23 +436,10 @@ def test_sigterm_lets_a_write_under_way_end_before_the_process_exits(tmp_path):
     """A chunk write under way at SIGTERM ends (failing, its folder gone) before the
     command returns: at exit, zarr stopped its loop with it pending, and asyncio printed
     "Task was destroyed but it is pending!" and a traceback after "terminated"."""
-    import signal
-    import time
-
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = tied_popen(
-        [sys.executable, "-c", _SLOW_LAST_WRITE, "--quiet", "generate", "blobs", "big.zarr",
-         "--n", "400000", "--features", "8", "--chunk-rows", "100000"],
-        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".big.zarr.dkicf-tmp-*/X/c/*")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no chunk written in time"
-        time.sleep(0.02)
-    time.sleep(0.1)  # the next chunk's write has begun
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    # 0.1 s after the first chunk, the next chunk's write has begun.
+    returncode, err = _generate_then_sigterm(["-c", _SLOW_LAST_WRITE], 400_000, tmp_path,
+                                             settle=0.1)
+    assert returncode == 143, err
     assert "PENDING 0" in err and "Traceback" not in err and "destroyed" not in err, err
     assert list(tmp_path.iterdir()) == []
 
