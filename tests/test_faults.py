@@ -706,13 +706,26 @@ def test_state_checkpoint_survives_a_crash_between_write_and_commit(tmp_path, mo
 
 @contextlib.contextmanager
 def armed(client, marker, task: str):
-    """Kill every worker that runs ``task`` inside the block (once both workers are back)."""
+    """Kill every worker that runs ``task`` inside the block (once both workers are back).
+
+    On leaving, waits until the scheduler holds no task of that name and both
+    workers are back: a copy of the task still running when the block's
+    error came kills its worker later, and the scheduler's log of it (an
+    ERROR record) would otherwise land in the next test.
+    """
+    def holding(dask_scheduler):
+        return [str(k) for k in dask_scheduler.tasks if task in str(k)]
+
     both_workers(client)  # back from the kills of the tests before
     marker.write_text(task)
     try:
         yield
     finally:
         marker.unlink(missing_ok=True)
+        deadline = time.monotonic() + 30
+        while client.run_on_scheduler(holding) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        both_workers(client)
 
 
 def test_assign_task_killing_its_workers_fails_clearly(nanny_client, monkeypatch):
