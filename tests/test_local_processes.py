@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from dkicf._cluster import all_workers
-from dkicf._local import _SHARED_PROCESS_MAX, separate_processes
+from dkicf._local import _SHARED_PROCESS_MAX, process_settings, separate_processes
 
 
 def test_auto_separates_beyond_a_few_workers_and_bad_values_are_refused():
@@ -24,6 +24,40 @@ def test_auto_separates_beyond_a_few_workers_and_bad_values_are_refused():
     assert separate_processes(True, 1) is True and separate_processes(False, 64) is False
     with pytest.raises(ValueError, match="separate_processes must be True, False or 'auto'"):
         separate_processes("yes", 2)
+
+
+def test_the_local_processes_start_without_the_profiler_and_with_slow_ticks(client):
+    """The session's cluster (scheduler and nannies in this process): its workers, nannies
+    and scheduler took dkicf's settings when they started; this process's are as they were."""
+    import dask
+
+    assert set(client.run(dask.config.get, "distributed.worker.profile.enabled").values()) \
+        == {False}
+    assert set(client.run(lambda dask_worker: dask_worker._tick_interval).values()) == {1}
+    assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._tick_interval) == 1
+    assert {n._tick_interval for n in client.cluster.workers.values()} == {1}
+    assert dask.config.get("distributed.worker.profile.enabled") is True
+    assert dask.config.get("distributed.admin.tick.interval") == "20ms"
+
+
+def test_process_settings_follow_dkicf_s_two_settings_and_refuse_bad_values():
+    import dask
+
+    assert process_settings() == {"distributed.worker.profile.enabled": False,
+                                  "distributed.admin.tick.interval": "1s"}
+    with dask.config.set({"dkicf.cluster.worker-profiler": None,
+                          "dkicf.cluster.tick-interval": "250ms"}):
+        assert process_settings() == {"distributed.admin.tick.interval": "0.25s"}
+    with dask.config.set({"dkicf.cluster.worker-profiler": True,
+                          "dkicf.cluster.tick-interval": None}):
+        assert process_settings() == {"distributed.worker.profile.enabled": True}
+    with dask.config.set({"dkicf.cluster.worker-profiler": "off"}), pytest.raises(
+            ValueError, match="worker-profiler must be true, false or null, got 'off'"):
+        process_settings()
+    for bad in ("soon", 0, "-1s"):
+        with dask.config.set({"dkicf.cluster.tick-interval": bad}), pytest.raises(
+                ValueError, match="tick-interval must be a positive duration such as 1s"):
+            process_settings()
 
 
 def _listening(proc: psutil.Process) -> list:
@@ -54,6 +88,12 @@ def test_scheduler_and_nannies_leave_the_driver_and_stay_on_loopback():
         assert set(client.run(get).values()) == {37}
         assert client.run_on_scheduler(dask.config.get, "distributed.scheduler.http.routes") \
             == ["distributed.http.health"]
+        # On top of them, dkicf.cluster.worker-profiler and tick-interval: no stack
+        # sampling, and event-loop health checks every second, in every process.
+        assert set(client.run(dask.config.get, "distributed.worker.profile.enabled").values()) \
+            == {False}
+        assert set(client.run(lambda dask_worker: dask_worker._tick_interval).values()) == {1}
+        assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._tick_interval) == 1
         worker_pids = set(client.run(os.getpid).values())
         children = [psutil.Process(p) for p in {scheduler_pid, *nanny_pids, *worker_pids}]
         assert {os.getsid(p.pid) for p in children}.isdisjoint({os.getsid(0)})

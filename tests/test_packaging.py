@@ -56,7 +56,8 @@ def test_the_dkicf_section_of_dask_config_is_shipped_and_overridable(tmp_path):
 
     shipped = yaml.safe_load((REPO / "dkicf" / "dkicf.yaml").read_text())["dkicf"]
     assert shipped["cluster"] == {"workers": 2, "threads": 1, "memory-limit": "auto",
-                                  "separate-processes": "auto", "worker-timeout": 3600}
+                                  "separate-processes": "auto", "worker-timeout": 3600,
+                                  "worker-profiler": False, "tick-interval": "1s"}
     assert shipped["fit"] == {"rank": 100, "pivoting": "block-greedy"}
     code = ("import json; from dkicf._config import get; "
             "print(json.dumps([get('cluster.workers'), get('cluster.threads'), "
