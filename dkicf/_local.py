@@ -36,6 +36,7 @@ from distributed import LocalCluster, SpecCluster
 from distributed.deploy.spec import ProcessInterface
 from distributed.worker_memory import parse_memory_limit
 
+from ._config import get
 from ._connect import scheduler_http
 from ._orphan_guard import kill_children
 
@@ -84,8 +85,6 @@ def process_settings() -> dict:
     on 16 cores that is most of a core, taken from the fit's tasks.
     """
     from dask.utils import parse_timedelta
-
-    from ._config import get
 
     out = {}
     profiler = get("cluster.worker-profiler")
