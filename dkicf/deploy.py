@@ -359,7 +359,19 @@ def _job_kwargs(kind: str, options: dict) -> dict:
             "so that every worker process gets the same number of threads."
         )
     _positive_int(options.get("jobs", 1), "jobs")
+    exports = _setting_exports()
+    if exports:
+        # First, so that an export of the same variable in the prologue wins.
+        prologue = kwargs.get("job_script_prologue", configured("job-script-prologue"))
+        kwargs["job_script_prologue"] = [*exports, *(prologue or [])]
     return kwargs
+
+
+def _setting_exports() -> list[str]:
+    """Shell lines that give a job's workers dkicf's process settings
+    (:func:`dkicf._config.process_settings`) as dask environment variables."""
+    return [f"export DASK_{key.upper().replace('.', '__').replace('-', '_')}={value}"
+            for key, value in _config.process_settings().items()]
 
 
 def _jobqueue_module(kind: str):
@@ -474,6 +486,8 @@ def _reporting_job_class(job_cls):
 
 
 def _jobqueue_cluster(kind: str, **options):
+    import dask
+
     module = _jobqueue_module(kind)
     kwargs = _job_kwargs(kind, options)
     cluster_cls = getattr(module, f"{_JOBQUEUE[kind]}Cluster")
@@ -485,7 +499,7 @@ def _jobqueue_cluster(kind: str, **options):
     # unless security=False; its HTTP server stays on 127.0.0.1 (reach it with an
     # ssh tunnel).
     job_cls = _reporting_job_class(cluster_cls.job_cls)
-    with scheduler_http(dashboard):
+    with scheduler_http(dashboard), dask.config.set(_config.process_settings()):
         cluster = cluster_cls(
             **kwargs,
             job_cls=job_cls,

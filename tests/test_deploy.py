@@ -870,6 +870,36 @@ def test_slurm_job_script(processes):
     assert "tcp://<scheduler-address>:8786" in command
 
 
+def test_job_scripts_give_the_workers_dkicf_s_process_settings_before_the_prologue():
+    """The exports come first: the site's prologue (configured or passed) runs after them,
+    so that its own exports win; with both settings null there are none."""
+    pytest.importorskip("dask_jobqueue")
+    import dask
+
+    exports = ["export DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False",
+               "export DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL=1s"]
+
+    def lines(script: str) -> list[str]:
+        body = [line for line in script.splitlines() if line and not line.startswith("#")]
+        assert "distributed.cli.dask_worker" in body[-1]
+        return body[:-1]
+
+    assert lines(jobqueue_script("slurm", cores=2, memory="4GiB")) == exports
+    assert lines(jobqueue_script("pbs", cores=2, memory="4GiB",
+                                 job_script_prologue=["module load site"])) == [
+        *exports, "module load site"]
+    with dask.config.set({"jobqueue.slurm.job-script-prologue": ["source /site/env"]}):
+        assert lines(jobqueue_script("slurm", cores=2, memory="4GiB")) == [
+            *exports, "source /site/env"]
+    with dask.config.set({"dkicf.cluster.worker-profiler": None,
+                          "dkicf.cluster.tick-interval": "200ms"}):
+        assert lines(jobqueue_script("slurm", cores=2, memory="4GiB")) == [
+            "export DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL=0.2s"]
+    with dask.config.set({"dkicf.cluster.worker-profiler": None,
+                          "dkicf.cluster.tick-interval": None}):
+        assert lines(jobqueue_script("slurm", cores=2, memory="4GiB")) == []
+
+
 def test_pbs_job_script():
     pytest.importorskip("dask_jobqueue")
     script = jobqueue_script(
@@ -1171,6 +1201,16 @@ def test_start_cluster_slurm_is_tls_by_default_and_waits_for_late_jobs(tmp_path,
             files = list(shared.glob(".dask-jobqueue.worker.*"))
             assert len(files) == 3 and all(f.stat().st_mode & 0o077 == 0 for f in files)
             assert client.submit(sum, [1, 2, 3]).result() == 6
+            # The job's workers, and the scheduler here, run with dkicf's process
+            # settings; this process's own are as they were.
+            import dask
+
+            assert set(client.run(dask.config.get, "distributed.worker.profile.enabled")
+                       .values()) == {False}
+            assert set(client.run(lambda dask_worker: dask_worker._tick_interval)
+                       .values()) == {1}
+            assert cluster.scheduler._tick_interval == 1
+            assert dask.config.get("distributed.worker.profile.enabled") is True
             # Results come through the scheduler, the one address a batch job's
             # driver is sure to reach (a local cluster's come from its workers).
             assert not client.direct_to_workers

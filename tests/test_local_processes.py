@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from dkicf._cluster import all_workers
-from dkicf._local import _SHARED_PROCESS_MAX, process_settings, separate_processes
+from dkicf._config import process_settings
+from dkicf._local import _SHARED_PROCESS_MAX, separate_processes
 
 
 def test_auto_separates_beyond_a_few_workers_and_bad_values_are_refused():
