@@ -298,6 +298,73 @@ def test_a_checkpoint_location_that_cannot_be_written_is_refused(tmp_path):
     assert blocker.read_text() == "x"
 
 
+@pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])
+def test_an_interrupted_fit_cancels_cleanly(client, caplog, pivoting):
+    """Ctrl-C (or any exception) mid-fit cancels its tasks without breaking the scheduler's
+    handler of this client: no error logged, and the next fit runs on the same client."""
+    import logging
+
+    class Interrupted(KeyboardInterrupt):
+        pass
+
+    def interrupt(progress):
+        if progress.rank >= 12:
+            raise Interrupted
+
+    def fit_tasks(dask_scheduler):
+        return [str(k) for k in dask_scheduler.tasks if "icf-" in str(k)]
+
+    # Before the nanny cluster of the tests below kills workers. Still, objects that
+    # earlier files' clusters left for the garbage collector can log as they go (an
+    # asyncio future nobody awaited): they go now, and their records with them.
+    gc.collect()
+    caplog.clear()
+    X = da.from_array(make_X(), chunks=CHUNK)
+    before = set(client.run_on_scheduler(fit_tasks))  # other tests' results still alive
+    with caplog.at_level(logging.ERROR):
+        interrupted = False
+        try:
+            incomplete_cholesky(X, client=client, gamma=0.5, max_rank=30, tol=0.0,
+                                pivoting=pivoting, progress=interrupt)
+        except Interrupted:  # not kept: its traceback's frames hold some of the fit's futures
+            interrupted = True
+        assert interrupted
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while set(client.run_on_scheduler(fit_tasks)) - before:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        # All its tasks cancelled and forgotten.
+        assert sorted(set(client.run_on_scheduler(fit_tasks)) - before) == []
+        res = incomplete_cholesky(X, client=client, **PARAMS)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
+    assert res.rank == PARAMS["max_rank"]
+
+
+def test_a_fit_s_tasks_go_when_its_result_goes(client):
+    """No reference cycle keeps a finished fit's futures (X's chunks, states) alive until
+    the garbage collector happens to run: the scheduler forgets them with the result."""
+
+    def fit_tasks(dask_scheduler):
+        return {str(k) for k in dask_scheduler.tasks if "icf-" in str(k)}
+
+    before = client.run_on_scheduler(fit_tasks)
+    X = da.from_array(make_X(), chunks=CHUNK)
+    gc.disable()
+    try:
+        res = incomplete_cholesky(X, client=client, gamma=0.5, max_rank=10, tol=0.0)
+        assert client.run_on_scheduler(fit_tasks) - before  # the result holds its states
+        del res
+        deadline = time.monotonic() + 10
+        while client.run_on_scheduler(fit_tasks) - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(client.run_on_scheduler(fit_tasks) - before) == []
+    finally:
+        gc.enable()
+
+
 # ----------------------------------------------------------------------- dead workers
 
 
@@ -791,65 +858,3 @@ def test_write_whose_task_kills_its_workers_fails_clearly(nanny_client, tmp_path
     ) as info, client.as_current():
         io.write_dask(str(tmp_path / "out.zarr"), "labels", darr)
     assert info.value.stage == "writing"
-
-
-@pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])
-def test_an_interrupted_fit_cancels_cleanly(client, caplog, pivoting):
-    """Ctrl-C (or any exception) mid-fit cancels its tasks without breaking the scheduler's
-    handler of this client: no error logged, and the next fit runs on the same client."""
-    import logging
-
-    class Interrupted(KeyboardInterrupt):
-        pass
-
-    def interrupt(progress):
-        if progress.rank >= 12:
-            raise Interrupted
-
-    def fit_tasks(dask_scheduler):
-        return [str(k) for k in dask_scheduler.tasks if "icf-" in str(k)]
-
-    X = da.from_array(make_X(), chunks=CHUNK)
-    before = set(client.run_on_scheduler(fit_tasks))  # other tests' results still alive
-    with caplog.at_level(logging.ERROR):
-        interrupted = False
-        try:
-            incomplete_cholesky(X, client=client, gamma=0.5, max_rank=30, tol=0.0,
-                                pivoting=pivoting, progress=interrupt)
-        except Interrupted:  # not kept: its traceback's frames hold some of the fit's futures
-            interrupted = True
-        assert interrupted
-        gc.collect()
-        deadline = time.monotonic() + 10
-        while set(client.run_on_scheduler(fit_tasks)) - before:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        # All its tasks cancelled and forgotten.
-        assert sorted(set(client.run_on_scheduler(fit_tasks)) - before) == []
-        res = incomplete_cholesky(X, client=client, **PARAMS)
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert errors == []
-    assert res.rank == PARAMS["max_rank"]
-
-
-def test_a_fit_s_tasks_go_when_its_result_goes(client):
-    """No reference cycle keeps a finished fit's futures (X's chunks, states) alive until
-    the garbage collector happens to run: the scheduler forgets them with the result."""
-
-    def fit_tasks(dask_scheduler):
-        return {str(k) for k in dask_scheduler.tasks if "icf-" in str(k)}
-
-    before = client.run_on_scheduler(fit_tasks)
-    X = da.from_array(make_X(), chunks=CHUNK)
-    gc.disable()
-    try:
-        res = incomplete_cholesky(X, client=client, gamma=0.5, max_rank=10, tol=0.0)
-        assert client.run_on_scheduler(fit_tasks) - before  # the result holds its states
-        del res
-        deadline = time.monotonic() + 10
-        while client.run_on_scheduler(fit_tasks) - before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sorted(client.run_on_scheduler(fit_tasks) - before) == []
-    finally:
-        gc.enable()
