@@ -27,15 +27,22 @@ def test_auto_separates_beyond_a_few_workers_and_bad_values_are_refused():
         separate_processes("yes", 2)
 
 
-def test_the_local_processes_start_without_the_profiler_and_with_slow_ticks(client):
-    """The session's cluster (scheduler and nannies in this process): its workers, nannies
-    and scheduler took dkicf's settings when they started; this process's are as they were."""
+def _assert_started_with_dkicf_s_settings(client) -> None:
+    """The cluster's workers run without the profiler; workers and scheduler tick each second."""
     import dask
 
     assert set(client.run(dask.config.get, "distributed.worker.profile.enabled").values()) \
         == {False}
     assert set(client.run(lambda dask_worker: dask_worker._tick_interval).values()) == {1}
     assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._tick_interval) == 1
+
+
+def test_the_local_processes_start_without_the_profiler_and_with_slow_ticks(client):
+    """The session's cluster (scheduler and nannies in this process): its workers, nannies
+    and scheduler took dkicf's settings when they started; this process's are as they were."""
+    import dask
+
+    _assert_started_with_dkicf_s_settings(client)
     assert {n._tick_interval for n in client.cluster.workers.values()} == {1}
     assert dask.config.get("distributed.worker.profile.enabled") is True
     assert dask.config.get("distributed.admin.tick.interval") == "20ms"
@@ -91,10 +98,7 @@ def test_scheduler_and_nannies_leave_the_driver_and_stay_on_loopback():
             == ["distributed.http.health"]
         # On top of them, dkicf.cluster.worker-profiler and tick-interval: no stack
         # sampling, and event-loop health checks every second, in every process.
-        assert set(client.run(dask.config.get, "distributed.worker.profile.enabled").values()) \
-            == {False}
-        assert set(client.run(lambda dask_worker: dask_worker._tick_interval).values()) == {1}
-        assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._tick_interval) == 1
+        _assert_started_with_dkicf_s_settings(client)
         worker_pids = set(client.run(os.getpid).values())
         children = [psutil.Process(p) for p in {scheduler_pid, *nanny_pids, *worker_pids}]
         assert {os.getsid(p.pid) for p in children}.isdisjoint({os.getsid(0)})
