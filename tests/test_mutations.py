@@ -38,7 +38,18 @@ def test_block_delta_changes_the_blocks(rng):
 @pytest.mark.parametrize("pivoting", ["greedy", "block-greedy", "rpcholesky"])
 @pytest.mark.parametrize("k", [0, 7, 20])
 def test_a_trace_error_equal_to_tol_stops(pivoting, k):
-    """tol set to the trace error reached after k pivots: the fit stops there, at rank k."""
+    """tol set to the trace error reached after k pivots: the fit stops there, at rank k.
+
+    The greedy loop reads every trace error as the residual's sum after a pass,
+    so the fit with ``tol`` repeats the reference's values exactly.  The block
+    rules compute a trace error inside a block from the sum at the block's end
+    and the block's later columns, and a block cut short by ``tol`` ends
+    elsewhere than the reference's: the value can then differ from the
+    reference's in its last bits (one unit in the last place on a machine with
+    AVX-512), and the fit stops one pivot later.  What must hold for every
+    rule is the sequential stop on the fit's own trace errors: the first one
+    ``<= tol`` ends it.
+    """
     X = np.random.default_rng(3).normal(size=(300, 3))
     ref = incomplete_cholesky(X, gamma=0.5, max_rank=40, tol=0, pivoting=pivoting,
                               random_state=0)
@@ -46,10 +57,18 @@ def test_a_trace_error_equal_to_tol_stops(pivoting, k):
     res = incomplete_cholesky(X, gamma=0.5, max_rank=40, tol=tol, pivoting=pivoting,
                               random_state=0)
     assert res.stop_reason == "tol"
-    assert res.rank == k
-    np.testing.assert_array_equal(res.pivots, ref.pivots[:k])
-    if k:
-        assert res.trace_errors[-1] == tol
+    np.testing.assert_array_equal(res.pivots, ref.pivots[:res.rank])
+    if res.rank:
+        assert res.trace_errors[-1] <= tol
+    assert np.all(res.trace_errors[:-1] > tol)
+    if pivoting == "greedy" or res.rank == k:
+        assert res.rank == k
+        if k:
+            assert res.trace_errors[-1] == tol
+    else:  # one pivot later, only because rounding put the trace after k just above tol
+        assert res.rank == k + 1
+        np.testing.assert_allclose(res.trace_errors[k - 1], tol, rtol=1e-13)
+        assert res.trace_errors[k - 1] > tol
 
 
 def _nest_in_sharding(array_dir, inner: list[dict], index: list[dict] | None = None) -> None:
