@@ -41,6 +41,7 @@ __all__ = [
     "kubernetes_spec",
     "local_cluster",
     "make_security",
+    "process_environment",
     "start_cluster",
 ]
 
@@ -156,7 +157,9 @@ def kubernetes_spec(
     memory_limit : str or int
         Memory dask may use per worker, e.g. ``"4GiB"``.
     env : dict, optional
-        Environment variables for the scheduler and workers.
+        Environment variables for the scheduler and workers.  They come
+        with those of dkicf's process settings (:func:`process_environment`),
+        and replace one of the same name.
     secret : str, optional
         Name of a Secret whose keys become environment variables of the
         workers (object-store credentials, e.g. ``AWS_ACCESS_KEY_ID``), so
@@ -192,7 +195,10 @@ def kubernetes_spec(
     scheduler_bytes = (
         parse_bytes(scheduler_memory) if isinstance(scheduler_memory, str) else scheduler_memory
     )
-    env_list = [{"name": k, "value": str(v)} for k, v in (env or {}).items()]
+    env = dict(env or {})
+    # dkicf's process settings first; a variable of the same name in env replaces one.
+    settings = {k: v for k, v in process_environment().items() if k not in env}
+    env_list = [{"name": k, "value": str(v)} for k, v in {**settings, **env}.items()]
     worker = _k8s_worker(image, threads, dask_bytes, worker_memory, env_list)
     if secret is not None:
         worker["envFrom"] = [{"secretRef": {"name": secret}}]
@@ -367,11 +373,37 @@ def _job_kwargs(kind: str, options: dict) -> dict:
     return kwargs
 
 
+def process_environment() -> dict[str, str]:
+    """Environment variables that give a dask process dkicf's process settings.
+
+    dkicf's own clusters start their schedulers, nannies and workers with
+    ``dkicf.cluster.worker-profiler`` and ``dkicf.cluster.tick-interval``
+    (no statistical profiler on the workers, the event-loop check every
+    second: by default they took about 5% of a core per idle worker).  A
+    cluster started by other means takes them from these variables: the
+    Kubernetes spec and the SLURM and PBS job scripts that dkicf writes
+    include them, and the batch scripts in ``deploy/hpc`` ask for them.
+    Setting a value to null in the configuration leaves dask's own.
+
+    Returns
+    -------
+    dict
+        Variable name to value, e.g. ``{"DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s", ...}``.
+
+    Examples
+    --------
+    >>> from dkicf.deploy import process_environment
+    >>> sorted(process_environment())
+    ['DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL', 'DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED']
+    """
+    return {f"DASK_{key.upper().replace('.', '__').replace('-', '_')}": str(value)
+            for key, value in _config.process_settings().items()}
+
+
 def _setting_exports() -> list[str]:
     """Shell lines that give a job's workers dkicf's process settings
-    (:func:`dkicf._config.process_settings`) as dask environment variables."""
-    return [f"export DASK_{key.upper().replace('.', '__').replace('-', '_')}={value}"
-            for key, value in _config.process_settings().items()]
+    (:func:`process_environment`)."""
+    return [f"export {name}={value}" for name, value in process_environment().items()]
 
 
 def _jobqueue_module(kind: str):

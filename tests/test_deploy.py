@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -41,6 +42,7 @@ from dkicf.deploy import (
     jobqueue_script,
     kubernetes_spec,
     make_security,
+    process_environment,
     start_cluster,
 )
 
@@ -697,6 +699,11 @@ def test_daskcluster_manifest_is_valid(crd_validator):
     # Object-store credentials reach the workers from a Secret.
     refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in worker["env"] if "valueFrom" in e]
     assert refs and set(refs) == {"dkicf-object-store"}
+    # The scheduler and the workers run with dkicf's process settings.
+    scheduler = doc["spec"]["scheduler"]["spec"]["containers"][0]
+    for container in (worker, scheduler):
+        values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        assert values == process_environment()
 
 
 def _broken(doc: dict, change) -> dict:
@@ -798,6 +805,18 @@ def test_kubernetes_spec_is_valid_and_consistent(crd_validator):
     assert parse_bytes("6GiB") <= limit <= parse_bytes("6GiB") / 0.9 + 2**20
     assert worker["resources"]["limits"]["cpu"] == "4"
     assert worker["envFrom"] == [{"secretRef": {"name": "dkicf-object-store"}}]
+    settings = process_environment()
+    assert len(settings) == 2
+    for container in (worker, spec["spec"]["scheduler"]["spec"]["containers"][0]):
+        assert {e["name"]: e["value"] for e in container["env"]} == {
+            **settings, "OMP_NUM_THREADS": "1"}
+    # A variable passed replaces dkicf's of the same name; null settings give none.
+    tick = "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL"
+    env = _worker_container(kubernetes_spec("fit", "r.example/dkicf:1", env={tick: "20ms"}))["env"]
+    assert [e["value"] for e in env if e["name"] == tick] == ["20ms"]
+    with dask.config.set({"dkicf.cluster.worker-profiler": None,
+                          "dkicf.cluster.tick-interval": None}):
+        assert _worker_container(kubernetes_spec("fit", "r.example/dkicf:1"))["env"] == []
     for image in ("registry.example.com/dkicf:latest", "registry.example.com:5000/dkicf"):
         with pytest.raises(ValueError, match="pinned version"):
             kubernetes_spec("fit", image)
@@ -1005,6 +1024,10 @@ from dkicf.deploy import connect, make_security
 args = sys.argv[1:]
 def value(flag):
     return args[args.index(flag) + 1] if flag in args else None
+def settings():
+    import dask
+    return [dask.config.get("distributed.worker.profile.enabled"),
+            dask.config.get("distributed.admin.tick.interval")]
 security = make_security(value("--tls-ca-file"), value("--tls-cert"), value("--tls-key"))
 with connect(scheduler_file=value("--scheduler-file"), security=security, timeout=30) as c:
     workers = all_workers(c).values()
@@ -1014,6 +1037,8 @@ with connect(scheduler_file=value("--scheduler-file"), security=security, timeou
         "nthreads": sorted(w["nthreads"] for w in workers),
         "memory_limit": sorted(w["memory_limit"] for w in workers),
         "total": c.submit(sum, [1, 2, 3]).result(),
+        "settings": [*sorted(set(map(tuple, c.run(settings).values()))),
+                     c.run_on_scheduler(settings)],
     }}
 with open(os.environ["DKICF_STUB_RECORD"], "w") as f:
     json.dump(record, f)
@@ -1092,6 +1117,8 @@ def test_manual_batch_script_runs_and_cleans_up(tmp_path, script, n_workers):
     assert result["nthreads"] == [1] * n_workers
     assert result["memory_limit"] == [921 * 2**20] * n_workers  # 90% of 1024 MiB
     assert result["total"] == 6
+    # The workers and the scheduler run with dkicf's process settings.
+    assert result["settings"] == [[False, "1s"], [False, "1s"]]  # the workers as one, the scheduler
     assert f"{n_workers} workers joined" in text
     # The certificates and scheduler file are gone, and so is every process.
     assert not run_dir.exists()
