@@ -510,8 +510,8 @@ def test_ctrl_c_mid_fit_is_one_line(ring_store, tmp_path, workers):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert err.strip().splitlines()[-1] == "dkicf: interrupted"
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert err.strip().splitlines()[-1] == "dkicf: interrupted", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], err
 
 
 def test_the_python_pipeline_refuses_an_output_that_is_an_input(tmp_path):
