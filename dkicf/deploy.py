@@ -195,10 +195,9 @@ def kubernetes_spec(
     scheduler_bytes = (
         parse_bytes(scheduler_memory) if isinstance(scheduler_memory, str) else scheduler_memory
     )
-    env = dict(env or {})
     # dkicf's process settings first; a variable of the same name in env replaces one.
-    settings = {k: v for k, v in process_environment().items() if k not in env}
-    env_list = [{"name": k, "value": str(v)} for k, v in {**settings, **env}.items()]
+    merged = {**process_environment(), **(env or {})}
+    env_list = [{"name": k, "value": str(v)} for k, v in merged.items()]
     worker = _k8s_worker(image, threads, dask_bytes, worker_memory, env_list)
     if secret is not None:
         worker["envFrom"] = [{"secretRef": {"name": secret}}]
