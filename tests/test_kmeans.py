@@ -834,7 +834,8 @@ def test_kmeans_parallel_update_takes_the_lowest_numbered_of_tied_candidates(rng
     two = p[[10, 20]] + 0.5
     cands = np.concatenate([two, two, centres])  # 0 and 2, 1 and 3 are the same row
     for q in (p, np.ascontiguousarray(p)):
-        ((d2, label),), (total,) = _kmeans_tasks._chunk_nearest_update(q, 0, None, [cands], [7])
+        state, (total,) = _kmeans_tasks._chunk_nearest_update(q, 0, None, [cands], [7])
+        ((d2, label),) = state.runs
         exact = ((q[:, None, :] - cands[None]) ** 2).sum(-1)
         assert set(np.unique(label)) <= {7, 8, 11, 12, 13}  # never the repeats 9 and 10
         ordered = np.sort(exact, axis=1)
@@ -863,13 +864,13 @@ def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng)
         by_cols, sums_c = _kmeans_tasks._chunk_nearest_update(p, 1000, states, cands, firsts)
         by_rows, sums_r = _kmeans_tasks._chunk_nearest_update(
             np.ascontiguousarray(p), 1000, states, cands, firsts)
-        for (d2_c, lab_c), (d2_r, lab_r) in zip(by_cols, by_rows):
+        for (d2_c, lab_c), (d2_r, lab_r) in zip(by_cols.runs, by_rows.runs):
             np.testing.assert_array_equal(lab_c, lab_r)
             np.testing.assert_allclose(d2_c, d2_r, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(sums_c, sums_r, rtol=1e-6)
         now = np.stack([((p[:, None, :] - c[None]) ** 2).sum(-1).min(1) for c in cands])
         want = now if want is None else np.minimum(want, now)
-        np.testing.assert_allclose([d2 for d2, _ in by_cols], want, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose([d2 for d2, _ in by_cols.runs], want, rtol=1e-4, atol=1e-3)
         states = by_cols
     # The labels pass reads it by columns too: the same labels and inertia.
     lab_c, stats_c = _kmeans_tasks._chunk_assign(p, 1000, centres)
