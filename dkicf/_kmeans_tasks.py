@@ -375,15 +375,14 @@ def _chunk_nearest_update(p, offset: int, state: _Nearest | None, cands: list, f
     them).  Returns the new state and each run's sum of squared distances.
     """
     n = p.shape[0]
-    if state is None:
-        state = _Nearest([(np.full(n, np.inf), np.zeros(n, dtype=np.int64)) for _ in cands],
-                         np.empty(n))
-        first = True
+    first = state is None
+    if first:  # fresh arrays: the task's own, changed in place
+        new = [(np.full(n, np.inf), np.zeros(n, dtype=np.int64)) for _ in cands]
+        state = _Nearest(new, np.empty(n))
     else:
-        first = False
-    # Only the runs with new candidates change: the others keep their arrays.
-    new = [(d2.copy(), label.copy()) if c.shape[0] else (d2, label)
-           for (d2, label), c in zip(state.runs, cands)]
+        # Only the runs with new candidates change: the others keep their arrays.
+        new = [(d2.copy(), label.copy()) if c.shape[0] else (d2, label)
+               for (d2, label), c in zip(state.runs, cands)]
     # -2 c in float32 is exactly -2 times c in float32: the product is -2 x.c, rounded as x.c.
     scaled = [(-2.0 * c).astype(np.float32) for c in cands]
     c_sq = [np.einsum("ij,ij->i", c, c).astype(np.float32)[:, None] for c in cands]

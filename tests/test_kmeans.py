@@ -871,6 +871,9 @@ def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng)
         now = np.stack([((p[:, None, :] - c[None]) ** 2).sum(-1).min(1) for c in cands])
         want = now if want is None else np.minimum(want, now)
         np.testing.assert_allclose([d2 for d2, _ in by_cols.runs], want, rtol=1e-4, atol=1e-3)
+        # The rows' squared norms, from the first pass, kept for the later ones.
+        np.testing.assert_allclose(by_cols.x_sq, (p ** 2).sum(1), rtol=1e-12)
+        assert states is None or by_cols.x_sq is states.x_sq
         states = by_cols
     # The labels pass reads it by columns too: the same labels and inertia.
     lab_c, stats_c = _kmeans_tasks._chunk_assign(p, 1000, centres)
