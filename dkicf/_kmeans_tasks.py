@@ -423,8 +423,11 @@ def _nearest_candidate(scaled: np.ndarray, c_sq: np.ndarray, rows_t: np.ndarray,
     m, rows = scaled.shape[0], rows_t.shape[1]
     part = np.matmul(scaled, rows_t, out=scratch("kmpar-cross", (m, rows), np.float32))
     part += c_sq
-    least = np.minimum.reduce(part, axis=0, out=scratch("kmpar-least", (rows,), np.float32))
-    near = _first_reaching(part, least, "kmpar")  # m where none (NaN): never better
+    if m == 1:  # a run's first pass: the one candidate (a NaN distance is never better)
+        least, near = part[0], np.zeros(rows, dtype=np.int64)
+    else:
+        least = np.minimum.reduce(part, axis=0, out=scratch("kmpar-least", (rows,), np.float32))
+        near = _first_reaching(part, least, "kmpar")  # m where none (NaN): never better
     dist = least.astype(np.float64)
     dist += x_sq
     np.maximum(dist, 0.0, out=dist)  # rounding can make a row at a candidate slightly negative

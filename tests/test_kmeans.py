@@ -847,6 +847,31 @@ def test_kmeans_parallel_update_takes_the_lowest_numbered_of_tied_candidates(rng
         assert total == pytest.approx(exact.min(1).sum(), rel=1e-6)
 
 
+def test_kmeans_parallel_first_pass_with_one_candidate_a_run(rng):
+    """k-means||'s first pass (one candidate a run) labels every row with that candidate
+    and gives its squared distance; a row with NaN (P not checked) is never nearer."""
+    from dkicf import _kmeans_tasks
+
+    p = np.asfortranarray(rng.normal(size=(3000, 20)))
+    p[17, 3] = np.nan
+    cands = [p[[5]] + 0.25, p[[2900]] * 0.5]
+    state, totals = _kmeans_tasks._chunk_nearest_update(p, 0, None, cands, [0, 0], check=False)
+    ok = np.ones(3000, dtype=bool)
+    ok[17] = False
+    for (d2, label), c, total in zip(state.runs, cands, totals):
+        np.testing.assert_array_equal(label, 0)
+        exact = ((p - c) ** 2).sum(1)
+        np.testing.assert_allclose(d2[ok], exact[ok], rtol=1e-5, atol=1e-4)
+        assert d2[17] == np.inf and total == np.inf
+    # A second pass moves rows only to a strictly nearer candidate, numbered from 1.
+    more = [p[[10, 20]], np.empty((0, 20))]
+    state2, _ = _kmeans_tasks._chunk_nearest_update(p, 0, state, more, [1, 1], check=False)
+    (d2a, lab_a), (d2b, lab_b) = state2.runs
+    exact = np.stack([((p - c) ** 2).sum(1) for c in (cands[0][0], p[10], p[20])], axis=1)
+    np.testing.assert_array_equal(lab_a[ok], exact[ok].argmin(1))
+    assert d2b is state.runs[1][0] and lab_b is state.runs[1][1]  # no new candidates: kept
+
+
 def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng):
     """k-means||'s update and the labels pass read a factorization's P (rows of a
     Fortran-ordered buffer) by columns: each row's nearest candidate and its distance are
