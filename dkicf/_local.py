@@ -38,7 +38,7 @@ from distributed.worker_memory import parse_memory_limit
 
 from ._config import process_settings
 from ._connect import scheduler_http
-from ._orphan_guard import kill_children
+from ._orphan_guard import descendants, kill_all
 
 # A LocalCluster (scheduler and nannies in the driver's process) up to this
 # many workers; own processes beyond it (dkicf.cluster.separate-processes: auto).
@@ -203,9 +203,15 @@ class _SpecProcess(ProcessInterface):
     async def close(self) -> None:
         proc, self.process = self.process, None
         if proc is not None and proc.returncode is None:
-            kill_children(proc.pid)
+            # The process first, then its children: a nanny that outlived its
+            # children even briefly could, closing its worker's queues, find its
+            # multiprocessing resource tracker gone and start another, which
+            # then prints a KeyError traceback for each semaphore it never saw
+            # under the driver's one-line "interrupted".
+            children = descendants(proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+            kill_all(children)
             await proc.wait()
         await super().close()
 

@@ -27,17 +27,28 @@ def _orphaned(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def kill_children(pid: int) -> None:
-    """Kill every descendant of process ``pid`` (what is gone already is skipped)."""
+def descendants(pid: int) -> list:
+    """The descendants of process ``pid`` (``psutil.Process`` objects; none if it is gone)."""
     import psutil
 
     try:
-        children = psutil.Process(pid).children(recursive=True)
+        return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
-        return
-    for child in children:
+        return []
+
+
+def kill_all(processes: list) -> None:
+    """Kill ``processes`` (from :func:`descendants`; what is gone already is skipped)."""
+    import psutil
+
+    for proc in processes:
         with contextlib.suppress(psutil.Error):
-            child.kill()
+            proc.kill()
+
+
+def kill_children(pid: int) -> None:
+    """Kill every descendant of process ``pid`` (what is gone already is skipped)."""
+    kill_all(descendants(pid))
 
 
 def _not_cancelled(record: logging.LogRecord) -> bool:

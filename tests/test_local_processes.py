@@ -172,3 +172,32 @@ def test_scheduler_processes_drop_the_tracebacks_of_cancelled_handlers():
     assert proc.returncode == 0, proc.stderr
     assert "CancelledError" not in proc.stderr
     assert "ValueError: a real failure" in proc.stderr
+
+
+def test_a_process_is_killed_before_its_children_when_the_cluster_closes(monkeypatch):
+    """A nanny killed after its children could, closing its worker's queues in between,
+    start a second multiprocessing resource tracker (its own gone with the children), whose
+    KeyError tracebacks then follow the driver's one-line "interrupted"."""
+    import asyncio
+
+    from dkicf import _local
+
+    order = []
+
+    class Proc:
+        pid, returncode = 4242, None
+
+        def kill(self):
+            order.append("process")
+
+        async def wait(self):
+            return -9
+
+    monkeypatch.setattr(_local, "descendants", lambda pid: order.append(f"listed {pid}") or
+                        ["worker", "tracker"])
+    monkeypatch.setattr(_local, "kill_all", lambda procs: order.append(list(procs)))
+    spec = _local._SpecProcess({"cls": "distributed.Nanny", "opts": {}})
+    spec.process = Proc()
+    asyncio.run(spec.close())
+    assert order == ["listed 4242", "process", ["worker", "tracker"]]
+    assert spec.process is None
