@@ -19,6 +19,7 @@ import numpy as np
 from scipy import sparse
 
 from ._cluster import get_client
+from ._kmeans_rows import _column_major, _copy_rows, _place_rows, _take_rows
 from ._memory import _gib, _worker_resources
 from ._services import (
     ChunkBackend,
@@ -140,95 +141,6 @@ def _cluster_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     onehot = sparse.csr_matrix((np.ones(m * per), labels.reshape(-1),
                                 np.arange(0, m * per + 1, per)), shape=(m, k))
     return np.asarray(onehot.T @ x)
-
-
-# Rows gathered at a time into an ``out`` array: their temporary stays a few MiB.
-_GATHER_ROWS = 4096
-
-
-def _take_rows(p, local: np.ndarray, out: np.ndarray | None = None, pool=None) -> np.ndarray:
-    """Rows ``local`` of a chunk as a C-ordered float64 array (written into ``out`` if given).
-
-    A Fortran-ordered chunk (a factorization's P) is read column by column,
-    each a contiguous run: fancy indexing its rows would visit every column
-    once per row, several times slower.  With ``out`` the rows go there a
-    few thousand at a time, without a temporary the size of the whole
-    (a fresh large array costs its page faults on every fetch), and rows
-    asked in no order (a mini-batch fetch) are read in increasing order and
-    put in their places: each column is then read forwards, not at random
-    (1.8x faster on a factorization's P of 10^6 x 150).  ``pool``: threads
-    that gather the pieces side by side.
-    """
-    fortran = isinstance(p, np.ndarray) and p.ndim == 2 and p.strides[0] == p.itemsize
-    if out is None:
-        if fortran:
-            return np.ascontiguousarray(p.T[:, local].T, dtype=np.float64)
-        return np.asarray(p[local], dtype=np.float64).reshape(len(local), p.shape[1])
-    if local.shape[0] > 1 and not (local[1:] >= local[:-1]).all():
-        order = np.argsort(local, kind="stable")
-        ranked = local[order]
-    else:
-        order, ranked = None, local
-
-    def piece(a: int) -> None:
-        rows = ranked[a:a + _GATHER_ROWS]
-        taken = p.T[:, rows].T if fortran else p[rows]
-        if order is None:
-            out[a:a + rows.shape[0]] = taken
-        else:
-            out[order[a:a + rows.shape[0]]] = taken
-
-    starts = range(0, local.shape[0], _GATHER_ROWS)
-    if pool is None or len(starts) < 2:
-        for a in starts:
-            piece(a)
-    else:
-        list(pool.map(piece, starts))
-    return out
-
-
-def _place_rows(parts: list, inverse: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``np.concatenate(parts)[inverse]``, written into ``out`` piece by piece.
-
-    ``parts`` are consecutive row ranges of one array (its unique rows in
-    order) and ``inverse`` maps each wanted row to its row there.  Neither
-    the concatenation nor the result is allocated: the temporaries are a
-    few thousand rows.
-    """
-    where = np.argsort(inverse, kind="stable")
-    ranked = inverse[where]
-    start = 0
-    for part in parts:
-        lo, hi = np.searchsorted(ranked, [start, start + part.shape[0]])
-        for a in range(lo, hi, _GATHER_ROWS):
-            b = min(a + _GATHER_ROWS, hi)
-            out[where[a:b]] = part[ranked[a:b] - start]
-        start += part.shape[0]
-    return out
-
-
-def _copy_rows(dst: np.ndarray, src) -> None:
-    """``dst[...] = src`` into a C-ordered ``dst``, a column-major ``src`` a few columns at a time.
-
-    Copied whole, each row of a column-major block reads one element from
-    every column, each in a page of its own: with more columns than the
-    processor keeps page translations for, every row misses them all.  A
-    group of columns that fills a cache line of ``dst`` per row keeps both
-    the pages and the lines at hand (about 1.5x faster on a 150-column P).
-    """
-    if isinstance(src, np.ndarray) and src.ndim == 2 and src.strides[0] < src.strides[1]:
-        width = max(1, 64 // dst.itemsize)
-        for j in range(0, src.shape[1], width):
-            np.copyto(dst[:, j:j + width], src[:, j:j + width], casting="same_kind")
-    else:
-        np.copyto(dst, src, casting="same_kind")
-
-
-def _column_major(p) -> bool:
-    """Whether ``p`` is a float64 array laid out by columns (a factorization's P, or rows of
-    it: each column contiguous, the next one further on)."""
-    return (isinstance(p, np.ndarray) and p.ndim == 2 and p.dtype == np.float64
-            and p.shape[1] > 1 and p.strides[0] == p.itemsize and p.strides[1] > p.itemsize)
 
 
 def _row_blocks(p, offset: int, width: int, check: bool, views: bool = False):

@@ -312,7 +312,7 @@ def test_runs_first_batches_come_ahead_on_dask_and_change_nothing(km_client, mon
     driver while k-means|| runs; the fit equals the one that fetches them in turn."""
     import threading
 
-    from dkicf import _kmeans_runs, _kmeans_tasks
+    from dkicf import _kmeans_rows, _kmeans_runs, _kmeans_tasks
 
     X = overlapping(sum(UNEVEN))
     kw = dict(batch_size=50, max_iter=30, random_state=11, n_init=3)
@@ -341,7 +341,7 @@ def test_runs_first_batches_come_ahead_on_dask_and_change_nothing(km_client, mon
     monkeypatch.setattr(_kmeans_runs, "_AHEAD_BYTES", 1 << 30)
     monkeypatch.setattr(_kmeans_tasks._NumpyBackend, "rows",
                         lambda self, index, out=None: seen_np.append(
-                            threading.current_thread().name) or _kmeans_tasks._take_rows(
+                            threading.current_thread().name) or _kmeans_rows._take_rows(
                                 self.P, np.asarray(index, dtype=np.int64), out))
     kmeans(X, 5, **kw)
     assert seen_np and not any(name.startswith("dkicf-batches") for name in seen_np)
@@ -717,7 +717,7 @@ def test_k_means_parallel_draws_hash_each_row_index_with_splitmix64():
 def test_rows_are_copied_into_c_order_exactly_whatever_the_source_layout():
     """The passes' block copy (a column-major source goes a few columns at a time) gives
     the same values as a plain copy: every column, a partial last group, float32 widened."""
-    from dkicf._kmeans_tasks import _copy_rows
+    from dkicf._kmeans_rows import _copy_rows
 
     rng = np.random.default_rng(3)
     for cols in (1, 8, 21):
@@ -734,7 +734,7 @@ def test_fetched_rows_written_into_a_given_array_equal_the_rows_asked_for():
     """Mini-batch fetches write into one array reused from fetch to fetch: the rows are
     those of plain indexing, repeats and any order included, from either layout of P and
     from the parts of several chunks."""
-    from dkicf._kmeans_tasks import _GATHER_ROWS, _place_rows, _take_rows
+    from dkicf._kmeans_rows import _GATHER_ROWS, _place_rows, _take_rows
 
     rng = np.random.default_rng(5)
     P = rng.normal(size=(3 * _GATHER_ROWS, 7))
@@ -755,7 +755,8 @@ def test_fetched_rows_written_into_a_given_array_equal_the_rows_asked_for():
 def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     """The dask backend keeps P's input chunks as the factorization hands them over (views
     of its Fortran-ordered buffer); a chunk that is neither is copied as before."""
-    from dkicf._kmeans_tasks import _aligned, _held_as_is, _row_blocks, _take_rows
+    from dkicf._kmeans_rows import _take_rows
+    from dkicf._kmeans_tasks import _aligned, _held_as_is, _row_blocks
 
     buf = np.asfortranarray(np.arange(4000.0).reshape(400, 10))
     rows = buf[100:300, :8]  # rows of a Fortran matrix, not contiguous
@@ -807,7 +808,7 @@ def test_fetched_rows_asked_in_no_order_land_in_their_places(rng):
     P[index] exactly, from a factorization's column-major P or a C-ordered one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dkicf._kmeans_tasks import _GATHER_ROWS, _take_rows
+    from dkicf._kmeans_rows import _GATHER_ROWS, _take_rows
 
     P = np.asfortranarray(rng.normal(size=(30_000, 7)))
     index = rng.integers(0, P.shape[0], 3 * _GATHER_ROWS + 17)
@@ -877,12 +878,12 @@ def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng)
     Fortran-ordered buffer) by columns: each row's nearest candidate and its distance are
     those of the same rows in C order, up to the float32 products' rounding; NaN in P is
     named by its row."""
-    from dkicf import _kmeans_tasks
+    from dkicf import _kmeans_rows, _kmeans_tasks
 
     centres = rng.normal(scale=6.0, size=(4, 30))
     buf = np.asfortranarray(centres[rng.integers(0, 4, 3000)] + rng.normal(size=(3000, 30)))
     p = buf[1000:2700]  # rows of the buffer: column-major, not Fortran-contiguous
-    assert _kmeans_tasks._column_major(p) and not p.flags.f_contiguous
+    assert _kmeans_rows._column_major(p) and not p.flags.f_contiguous
     states = want = None
     for cands, firsts in (([centres[:3] + 0.1, centres[2:] - 0.1], [0, 0]),
                           ([centres[1:] * 0.97, centres[:2] * 1.02], [3, 2])):
