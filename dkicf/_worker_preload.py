@@ -11,7 +11,8 @@ the worker starts, so that a first fit does not wait for them.
 
 A task that fails with one of dkicf's own errors (NaN in X, a missing chunk)
 is reported by the driver in one line; the worker's "Compute Failed" dump of
-the same error is dropped.
+the same error is dropped, and so is the traceback of a result that could not
+be sent to a worker whose connection closed (the cluster closing).
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ class _OwnErrorsFilter(logging.Filter):
         return text.split("(", 1)[0] not in _own_error_names()
 
 
+class _PeerGoneFilter(logging.Filter):
+    """Drops distributed's "failed during get data" record: sending a task's result to
+    another worker failed because that worker's connection closed.
+
+    It comes when the driver closes the cluster (after Ctrl-C, for one) while
+    a worker still sends data to one that is closing; a worker that asked
+    and still needs the data asks again, and logs its own failure if that
+    fails too.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed during get data")
+
+
 def _import_task_modules() -> None:
     """Import what a fit's tasks import (zarr, dkicf's chunk and k-means tasks)."""
     from ._memory import import_task_modules
@@ -54,8 +69,8 @@ def _import_task_modules() -> None:
 
 
 def dask_setup(worker) -> None:
-    """Make this worker process ignore SIGINT (the driver ends it); quiet dkicf's errors;
-    import the fit's task modules in the background.
+    """Make this worker process ignore SIGINT (the driver ends it); quiet dkicf's errors
+    and sends to closed peers; import the fit's task modules in the background.
 
     The imports take a few tenths of a second of CPU per worker process.
     Done while the cluster starts and the data load, a first fit does not
@@ -64,5 +79,7 @@ def dask_setup(worker) -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.getLogger("distributed.worker").addFilter(_OwnErrorsFilter())
+    log = logging.getLogger("distributed.worker")
+    log.addFilter(_OwnErrorsFilter())
+    log.addFilter(_PeerGoneFilter())
     threading.Thread(target=_import_task_modules, name="dkicf-imports", daemon=True).start()

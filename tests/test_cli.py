@@ -788,6 +788,36 @@ def test_worker_filter_drops_only_dkicf_errors():
                                   (), None))
 
 
+def test_worker_filter_drops_sends_to_a_closed_peer_only():
+    """The worker's traceback of a result it could not send to a worker whose connection
+    closed (the cluster closing after Ctrl-C) stays out of the command's stderr."""
+    import logging
+    import signal
+
+    from dkicf import _worker_preload
+    from dkicf._worker_preload import _PeerGoneFilter
+
+    try:
+        raise OSError("Stream is closed")
+    except OSError:
+        info = sys.exc_info()
+    keep = _PeerGoneFilter().filter
+    assert not keep(logging.LogRecord("distributed.worker", logging.ERROR, "w.py", 1,
+                                      "failed during get data with %s -> %s",
+                                      ("tcp://a", "tcp://b"), info))
+    assert keep(logging.LogRecord("distributed.worker", logging.ERROR, "w.py", 1,
+                                  "failed to communicate with scheduler", (), info))
+    # The preload puts it on the workers' logger.
+    log = logging.getLogger("distributed.worker")
+    before, handler = list(log.filters), signal.getsignal(signal.SIGINT)
+    try:
+        _worker_preload.dask_setup(None)
+        assert any(isinstance(f, _PeerGoneFilter) for f in log.filters)
+    finally:
+        log.filters[:] = before
+        signal.signal(signal.SIGINT, handler)
+
+
 def test_overwrite_replaces_only_what_the_command_writes(ring_store, tmp_path, capsys):
     """convert --overwrite onto a model is refused; onto a dataset it replaces it."""
     from dkicf.cli import main
