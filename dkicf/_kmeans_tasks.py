@@ -259,7 +259,8 @@ def _lloyd_summary(labels, d2, sums, k: int, n_far: int, offset: int) -> dict:
 
 class _Nearest(NamedTuple):
     """k-means|| state of one chunk: each run's ``(d2, label)`` (squared distance to its
-    nearest candidate so far, and that candidate's number) and the rows' ``||x||^2``.
+    nearest candidate so far, float64, and that candidate's number, int32) and the rows'
+    ``||x||^2``.
 
     The squared norms are those of the first pass, kept for the later ones:
     computed again, they read the whole chunk once more a pass (a sixth of
@@ -289,7 +290,9 @@ def _chunk_nearest_update(p, offset: int, state: _Nearest | None, cands: list, f
     n = p.shape[0]
     first = state is None
     if first:  # fresh arrays: the task's own, changed in place
-        new = [(np.full(n, np.inf), np.zeros(n, dtype=np.int64)) for _ in cands]
+        # Labels as int32 (a run has far fewer candidates): the state is held
+        # on the workers for the whole of k-means||, twice while a round runs.
+        new = [(np.full(n, np.inf), np.zeros(n, dtype=np.int32)) for _ in cands]
         state = _Nearest(new, np.empty(n))
     else:
         # Only the runs with new candidates change: the others keep their arrays.
