@@ -324,8 +324,9 @@ def _chunk_nearest_update(p, offset: int, state: _Nearest | None, cands: list, f
 
 
 def _nearest_candidate(scaled: np.ndarray, c_sq: np.ndarray, rows_t: np.ndarray,
-                       x_sq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's nearest candidate (ties to the lowest index) and its squared distance.
+                       x_sq: np.ndarray) -> tuple[np.ndarray | int, np.ndarray]:
+    """Each row's nearest candidate (ties to the lowest index; 0 for all rows where
+    there is one candidate) and its squared distance.
 
     ``scaled`` is ``-2 c`` (float32, candidates by rows), ``c_sq`` their
     ``||c||^2`` (float32 column), ``rows_t`` the rows transposed (float32,
@@ -339,7 +340,7 @@ def _nearest_candidate(scaled: np.ndarray, c_sq: np.ndarray, rows_t: np.ndarray,
     part = np.matmul(scaled, rows_t, out=scratch("kmpar-cross", (m, rows), np.float32))
     part += c_sq
     if m == 1:  # a run's first pass: the one candidate (a NaN distance is never better)
-        least, near = part[0], np.zeros(rows, dtype=np.int64)
+        least, near = part[0], 0
     else:
         least = np.minimum.reduce(part, axis=0, out=scratch("kmpar-least", (rows,), np.float32))
         near = _first_reaching(part, least, "kmpar")  # m where none (NaN): never better
