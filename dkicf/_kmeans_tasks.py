@@ -662,7 +662,8 @@ class _DaskBackend:
 
     remote = True
 
-    def __init__(self, P, client, persist: bool = True, limits: list[int] | None = None):
+    def __init__(self, P, client, persist: bool = True, limits: list[int] | None = None,
+                 row_bytes: int = 0):
         import uuid
 
         self.token = uuid.uuid4().hex
@@ -673,8 +674,8 @@ class _DaskBackend:
         self.n, self.s = (int(v) for v in P.shape)
         self.chunks = tuple(int(c) for c in P.chunks[0])
         self.offsets = np.concatenate([[0], np.cumsum(self.chunks)]).astype(np.int64)
+        _check_fits(self.client, P, limits, persist, row_bytes)
         if persist:
-            _check_fits(self.client, P, limits)
             # Chunks that arrived by a transfer (P made from a numpy array, for one)
             # are copied once where they are into memory the worker allocated; the
             # others are kept as they are, under their own keys: a second key for the
@@ -896,27 +897,44 @@ def _held_as_is(x) -> bool:
         and x.strides[1] >= x.shape[0] * x.itemsize))
 
 
-def _check_fits(client, P, limits: list[int] | None = None) -> None:
-    """Refuse to hold a P larger than the cluster's memory (its workers would be killed).
+def _check_fits(client, P, limits: list[int] | None = None, persist: bool = True,
+                row_bytes: int = 0) -> None:
+    """Refuse a k-means whose data exceed the cluster's memory (its workers would be killed).
 
+    What the workers hold: P with ``persist``, and ``row_bytes`` a row of
+    the k-means's own state (:func:`dkicf._memory.kmeans_row_bytes`).
     ``limits``: the workers' memory limits as the fit's plan measured them
     (default: asked of ``client``)."""
     if limits is None:
         limits, _ = _worker_resources(client)
-    if limits and all(limits):
-        nbytes = int(np.prod(P.shape)) * P.dtype.itemsize
-        if nbytes > sum(limits):
-            raise ValueError(
-                f"P is {_gib(nbytes)}, more than the {_gib(sum(limits))} of memory of the "
-                f"cluster's {len(limits)} workers, so it cannot be held there: pass "
-                "persist=False to read P's chunks from its source (for example the Zarr "
-                "array of a factorization run with p_store=) in every pass, or add workers "
-                "or memory."
-            )
+    if not (limits and all(limits)):
+        return
+    total = sum(limits)
+    state = int(P.shape[0]) * int(row_bytes)
+    p_bytes = int(np.prod(P.shape)) * P.dtype.itemsize if persist else 0
+    if p_bytes + state <= total:
+        return
+    cluster = f"the {_gib(total)} of memory of the cluster's {len(limits)} workers"
+    if persist and state < total:
+        raise ValueError(
+            f"P is {_gib(p_bytes)} and the k-means's state {_gib(state)}, more than {cluster}, "
+            "so P cannot be held there: pass persist=False to read P's chunks from its "
+            "source (for example the Zarr array of a factorization run with p_store=) in "
+            "every pass, or add workers or memory."
+        )
+    raise ValueError(
+        f"the k-means's state of P's {P.shape[0]} rows ({row_bytes} bytes a row: a distance "
+        f"and a label for each run of k-means||) is {_gib(state)}, more than {cluster}: lower "
+        "n_init, pass init='k-means++', or add workers or memory."
+    )
 
 
-def _backend(P, client, persist: bool = True, limits: list[int] | None = None) -> KMeansBackend:
-    return _DaskBackend(P, client, persist, limits) if is_dask_array(P) else _NumpyBackend(P)
+def _backend(P, client, persist: bool = True, limits: list[int] | None = None,
+             row_bytes: int = 0) -> KMeansBackend:
+    """The backend of P: ``row_bytes`` a row of the k-means's state for the memory check."""
+    if is_dask_array(P):
+        return _DaskBackend(P, client, persist, limits, row_bytes)
+    return _NumpyBackend(P)
 
 
 def _full_pass(backend, centers: np.ndarray):

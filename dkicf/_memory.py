@@ -328,6 +328,26 @@ def usable_memory_fraction() -> float:
         dask.config.get(f"distributed.worker.memory.{name}", None) for name in _THRESHOLDS)
 
 
+# k-means: bytes per row of one task's buffers besides its chunk of P (a block's
+# distances and labels in Lloyd's passes, the labels pass's output).
+KMEANS_TASK_BYTES = 32
+
+
+def kmeans_row_bytes(n_init: int = 5, init="k-means||") -> int:
+    """Bytes per row that the k-means holds on the workers at its peak, besides P.
+
+    With k-means|| (the default ``init``) each chunk keeps, between its
+    passes, every run's squared distance to its nearest candidate (float64)
+    and that candidate's number (int32), and the rows' squared norms
+    (float64); a round makes the new state before the one before it is let
+    go, so twice that: 136 bytes for five runs.  Otherwise what stays is the
+    last pass's labels (int64).
+    """
+    if isinstance(init, str) and init == "k-means||":
+        return 2 * (int(n_init) * (8 + 4) + 8)
+    return 8
+
+
 def held_bytes(n: int, d: int, itemsize: int, capacity: int, persist: bool,
                columns: int | None = None) -> int:
     """Bytes that the chunk states of ``n`` rows hold in worker memory between passes.

@@ -16,8 +16,11 @@ import numpy as np
 from . import _memory, io
 from ._cluster import all_workers
 from ._memory import (
+    _TASK_SHARE,
+    KMEANS_TASK_BYTES,
     _Workers,
     held_bytes,
+    kmeans_row_bytes,
     largest_rows,
     least_limit,
     measure_workers,
@@ -109,9 +112,8 @@ _MIN_ROWS = 256
 _ZARR_ROWS = 8192
 
 
-# k-means: bytes per row of its labels, distances and residuals, and how many
-# copies of a chunk of P a task reading it from Zarr holds (as read and decoded).
-_KMEANS_ROW_BYTES = 32
+# k-means: how many copies of a chunk of P a task reading it from Zarr holds
+# (as read and decoded).
 _KMEANS_P_COPIES = 2
 
 
@@ -129,6 +131,8 @@ def plan_fit(
     worker_baseline: int | None = None,
     memory_fraction: float | None = None,
     workers: _Workers | None = None,
+    n_init: int = 5,
+    init="k-means||",
 ) -> FitPlan:
     """Estimate the memory of a fit and decide chunking, X residency and P storage.
 
@@ -164,6 +168,10 @@ def plan_fit(
     workers : optional
         The measurement these figures come from (:func:`plan_for_cluster`),
         kept in the plan for the fit's checks.
+    n_init, init : optional
+        The k-means's runs and initialisation, as in :func:`dkicf.kmeans.kmeans`:
+        with k-means|| each run keeps a distance and a label per row on the
+        workers (:func:`dkicf._memory.kmeans_row_bytes`).
 
     Raises
     ------
@@ -193,7 +201,7 @@ def plan_fit(
                        [max(threads_per_worker, 1)] * max(n_workers, 1),
                        worker_baseline or 0, usable)
     return _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
-                            hold_fraction, base)
+                            hold_fraction, base, kmeans_row_bytes(n_init, init))
 
 
 _NO_WORKERS = "the dask cluster has no workers; start some or wait for them before fitting."
@@ -201,7 +209,7 @@ _NO_WORKERS = "the dask cluster has no workers; start some or wait for them befo
 
 def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: int,
                      rank: int, *, p_storage: str = "auto", persist: str = "auto",
-                     decide: bool = True) -> FitPlan:
+                     decide: bool = True, n_init: int = 5, init="k-means||") -> FitPlan:
     """:func:`plan_fit` on a cluster's workers, measured once here (None: no cluster).
 
     The plan keeps the measurement (``FitPlan.workers``); the fit hands the
@@ -212,7 +220,7 @@ def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: 
     """
     if client is None:
         return plan_fit(shape, chunk_rows, itemsize, rank, p_storage=p_storage,
-                        persist=persist)
+                        persist=persist, n_init=n_init, init=init)
     workers = measure_workers(client)
     if not workers.count:
         raise RuntimeError(_NO_WORKERS)
@@ -225,12 +233,14 @@ def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: 
         # lets a fit fill, as measured on them.
         worker_baseline=workers.baseline if limited else None,
         memory_fraction=workers.fraction if limited else None, workers=workers,
+        n_init=n_init, init=init,
     )
 
 
 def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
-                     hold_fraction, base) -> FitPlan:
-    """:func:`plan_fit` once the workers' memory is known."""
+                     hold_fraction, base, kmeans_bytes) -> FitPlan:
+    """:func:`plan_fit` once the workers' memory is known (``kmeans_bytes``: what
+    the k-means holds per row, :func:`dkicf._memory.kmeans_row_bytes`)."""
     worker_memory, worker_baseline = base["worker_memory"], base["worker_baseline"]
     threads_per_worker, cluster_memory = base["threads_per_worker"], base["cluster_memory"]
     usable = workers.fraction
@@ -247,18 +257,25 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
         transient = pass_transient(rows, d, itemsize, s, columns, zarr_rows)
         if not memory_fits(room, held, threads, transient):
             return False
-        # k-means: P in memory is held (a second time if the factorization
-        # grouped X's chunks into tasks: P comes back chunked like X, copied),
-        # P in Zarr is read a chunk per task; labels and distances per row.
+        if columns is None and copies is None:
+            copies = 1 if math.ceil(n / rows) <= workers.count * threads else 2
+        return kmeans_fits(rows, columns, copies)
+
+    def kmeans_fits(rows: int, columns: int | None, copies: int | None = 2) -> bool:
+        """Whether the k-means fits after it: P in memory is held (a second time if
+        the factorization grouped X's chunks into tasks: P comes back chunked like
+        X, copied), P in Zarr is read a chunk per task; its state per row."""
         if columns is None:
-            if copies is None:
-                copies = 1 if math.ceil(n / rows) <= workers.count * threads else 2
-            held = max(rows_w, rows) * (8 * s * copies + _KMEANS_ROW_BYTES)
-            transient = rows * _KMEANS_ROW_BYTES
+            held = max(rows_w, rows) * (8 * s * copies + kmeans_bytes)
+            transient = rows * KMEANS_TASK_BYTES
         else:
-            held = rows_w * _KMEANS_ROW_BYTES
-            transient = rows * (8 * s * _KMEANS_P_COPIES + _KMEANS_ROW_BYTES)
+            held = rows_w * kmeans_bytes
+            transient = rows * (8 * s * _KMEANS_P_COPIES + KMEANS_TASK_BYTES)
         return memory_fits(room, held, threads, transient)
+
+    def least_need(cap: int) -> float:
+        """Smallest limit per worker at which P in Zarr fits both stages."""
+        return _least_need(workers, n, s, cap, enough, kmeans_bytes)
 
     def most_rows(hold_x: bool, columns: int | None) -> int:
         """Rows per chunk that fit, at most chunk_rows (0: not even a few)."""
@@ -270,7 +287,7 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
         return rows if rows >= enough else 0
 
     if room <= 0 and worker_baseline is not None:
-        need = least_limit(workers, n, max(1, min(_column_block(), s)))
+        need = least_need(max(1, min(_column_block(), s)))
         raise MemoryError(_own_memory_message(workers, n, s, need))
     p_fits = most_rows(False, None) > 0
     if p_storage == "auto":
@@ -288,13 +305,13 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
     if p_storage == "zarr":
         cap = max(1, min(_column_block(), s))
         columns = zarr_width(workers, n, cap)
-        if columns < 1:
-            if worker_baseline is not None:
-                need = least_limit(workers, n, cap)
-                raise MemoryError(_least_memory_message(workers, n, s, need))
+        if columns < 1 and worker_baseline is None:
             # Not measured: the fit refuses it before its first pass (store_columns).
             return _plan_by_task(chunk_rows, d, itemsize, s, threads_per_worker, worker_memory,
                                  usable, persist, base)
+        if columns < 1 or not kmeans_fits(enough, columns):
+            raise MemoryError(_least_memory_message(workers, n, s, least_need(cap),
+                                                    kmeans_bytes))
     if persist == "auto":
         persist_x = most_rows(True, columns) > 0
     else:
@@ -347,17 +364,35 @@ def _own_memory_message(workers, n: int, s: int, need: float) -> str:
     )
 
 
-def _least_memory_message(workers, n: int, s: int, need: float) -> str:
+def _least_need(workers, n: int, s: int, cap: int, rows: int, kmeans_bytes: int) -> float:
+    """Smallest memory limit per worker at which P in Zarr fits ``n`` rows in both stages.
+
+    The factorization's at a column a Zarr chunk (:func:`least_limit`), and
+    the k-means's: the state of the busiest worker's rows
+    (``kmeans_bytes`` each) with one task per thread reading a chunk of
+    ``rows`` rows of P (:data:`_KMEANS_P_COPIES` copies).
+    """
+    held = workers.rows(n) * kmeans_bytes
+    transient = rows * (8 * s * _KMEANS_P_COPIES + KMEANS_TASK_BYTES)
+    room = held + workers.threads * transient / _TASK_SHARE
+    return max(least_limit(workers, n, cap), (room + workers.baseline) / workers.fraction)
+
+
+def _least_memory_message(workers, n: int, s: int, need: float, kmeans_bytes: int) -> str:
     need = math.ceil(need / 2**20)
+    rows = workers.rows(n)
+    # k-means|| keeps a distance and a label per run and row.
+    hint = "; fewer with a smaller --n-init or --init k-means++" if kmeans_bytes > 8 else ""
     return (
         f"a fit of {n} rows at rank {s} needs a memory limit of at least about {need} MiB "
         f"per worker, even with P in Zarr, and the workers have {_mib(workers.limit)}. "
         f"Below {workers.fraction:.0%} of a worker's limit (where dask starts spilling to "
         f"disk) must fit the worker process itself ({_mib(workers.baseline)}, measured), "
-        f"the residuals of its {workers.rows(n)} rows with a column of P each, and the "
-        f"buffers of its {workers.threads} task(s) at once. Give the workers more memory "
-        f"(--memory-limit {need}MiB or more; --memory per job on slurm and pbs) or add "
-        "workers (--workers)."
+        f"the residuals of its {rows} rows with a column of P each, the k-means's state "
+        f"of those rows ({_mib(rows * kmeans_bytes)}: {kmeans_bytes} bytes a row{hint}), "
+        f"and the buffers of its {workers.threads} task(s) at once. Give the workers more "
+        f"memory (--memory-limit {need}MiB or more; --memory per job on slurm and pbs) or "
+        "add workers (--workers)."
     )
 
 

@@ -52,6 +52,7 @@ from ._kmeans_runs import (
     _worker_failure,
 )
 from ._kmeans_tasks import _backend, _full_pass
+from ._memory import kmeans_row_bytes
 from ._services import threadpool_limits
 from ._validation import check_array_2d, check_positive_int
 from .errors import worker_failure, worker_failure_types
@@ -172,8 +173,8 @@ default="k-means||"
     )
     checkpoint_every = _check_run_args(checkpoint, checkpoint_every, resume, overwrite, persist)
     seeds = np.random.default_rng(random_state).integers(np.iinfo(np.int64).max, size=cfg.n_init)
-    workers = None if plan is None else plan.workers
-    backend = _backend(P, client, persist, None if workers is None else workers.limits)
+    limits = None if plan is None or plan.workers is None else plan.workers.limits
+    backend = _backend(P, client, persist, limits, kmeans_row_bytes(cfg.n_init, cfg.init))
     pos, ckpt = _Position(cfg.n_init), None
     try:
         if checkpoint is not None:

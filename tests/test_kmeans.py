@@ -422,6 +422,49 @@ def test_holding_a_p_larger_than_the_cluster_is_refused(km_client):
     assert not any("zeros" in str(k) for k in km_client.who_has())
 
 
+def test_the_kmeans_state_is_refused_when_it_exceeds_the_cluster():
+    """The memory check counts k-means||'s state of every row besides P."""
+    import dask.array as da
+
+    from dkicf._kmeans_tasks import _check_fits
+    from dkicf._memory import kmeans_row_bytes
+
+    limits = [2**30, 2**30]
+    state = kmeans_row_bytes(5)
+    # P of 10 columns (80 bytes a row) and the state fit 2 GiB up to 2**31 / 216 rows.
+    rows = 2**31 // (80 + state)
+    _check_fits(None, da.zeros((rows, 10)), limits, True, state)
+    with pytest.raises(ValueError, match=r"P is 1\.19 GiB and the k-means's state 1\.26 GiB.*"
+                                         r"persist=False"):
+        _check_fits(None, da.zeros((rows + 1000, 16)), limits, True, state)
+    _check_fits(None, da.zeros((rows + 1000, 16)), limits, False, state)
+    # The state alone beyond the cluster: read from the source does not help.
+    big = da.zeros((2**31 // state + 1, 10))
+    for persist in (True, False):
+        with pytest.raises(ValueError, match=r"136 bytes a row.*lower n_init, pass "
+                                             r"init='k-means\+\+'"):
+            _check_fits(None, big, limits, persist, state)
+    _check_fits(None, big, limits, False, kmeans_row_bytes(5, "k-means++"))
+    _check_fits(None, big, [0, 2**30], True, state)  # a worker without a limit: no check
+
+
+def test_the_memory_model_counts_the_kmeans_parallel_state(rng):
+    """kmeans_row_bytes is twice the bytes a row of a chunk's real k-means|| state."""
+    from dkicf import _kmeans_tasks
+    from dkicf._memory import kmeans_row_bytes
+
+    p = np.asfortranarray(rng.normal(size=(2000, 8)))
+    for runs in (1, 5):
+        cands = [p[[r]] for r in range(runs)]
+        state, _ = _kmeans_tasks._chunk_nearest_update(p, 0, None, cands, [0] * runs)
+        more = [p[[100 + r, 200 + r]] for r in range(runs)]
+        state, _ = _kmeans_tasks._chunk_nearest_update(p, 0, state, more, [1] * runs)
+        arrays = [a for run in state.runs for a in run] + [state.x_sq]
+        assert len({id(a) for a in arrays}) == 2 * runs + 1
+        assert 2 * sum(a.nbytes for a in arrays) == kmeans_row_bytes(runs) * len(p)
+    assert kmeans_row_bytes(5, "k-means++") == kmeans_row_bytes(5, np.zeros((3, 2))) == 8
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_chunkings_agree(km_client, algorithm):
     X = overlapping(sum(UNEVEN))

@@ -6,6 +6,7 @@ and the restarted workers then left tasks waiting for ever.
 """
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -103,21 +104,57 @@ def test_a_fit_that_cannot_fit_is_refused_by_the_plan_naming_the_limit_needed():
                     **{**kw, "worker_baseline": 0}).p_storage == "zarr"
 
 
+def test_the_least_limit_counts_the_kmeans_state_when_it_binds():
+    """At 4 million rows on two workers, k-means||'s state (2 x (5 runs x 12 + 8) bytes
+    of each of a worker's rows) needs more than the factorization with P in Zarr."""
+    own = 142 * MiB
+    kw = dict(n_workers=2, threads_per_worker=1, worker_baseline=own)
+    needs = {}
+    for init in ("k-means||", "k-means++"):
+        with pytest.raises(MemoryError) as info:
+            plan_fit((4 * 10**6, 2), 250_000, 8, 100, worker_memory=300 * MiB, init=init, **kw)
+        message = str(info.value)
+        needs[init] = need = int(re.search(r"--memory-limit (\d+)MiB or more", message).group(1))
+        plan = plan_fit((4 * 10**6, 2), 250_000, 8, 100, worker_memory=need * MiB, init=init,
+                        **kw)
+        assert plan.p_storage == "zarr"
+        with pytest.raises(MemoryError, match="--memory-limit"):
+            plan_fit((4 * 10**6, 2), 250_000, 8, 100, worker_memory=(need - 1) * MiB,
+                     init=init, **kw)
+        mib, per_row = {"k-means||": (259, 136), "k-means++": (15, 8)}[init]
+        assert f"the k-means's state of those rows ({mib} MiB: {per_row} bytes a row" in message
+    # The state of 2e6 rows, one task's chunk of 256 rows of P (twice, as read and decoded,
+    # and 32 bytes a row of buffers) within 75% of what the state leaves, and the worker's
+    # own memory, below 60% of the limit.
+    held, task = 2 * 10**6 * 136, 256 * (2 * 8 * 100 + 32)
+    assert needs["k-means||"] == math.ceil((held + task / 0.75 + own) / 0.6 / MiB)
+    # With k-means++ the factorization's need binds (a column of P a Zarr chunk).
+    workers = _memory._Workers([2**30] * 2, [1, 1], own, 0.6)
+    least = _memory.least_limit(workers, 4 * 10**6, _memory.COLUMN_BLOCK)
+    assert needs["k-means++"] == math.ceil(least / MiB) < needs["k-means||"]
+
+
 @pytest.mark.parametrize("own", [0, 150 * MiB])
-def test_the_plan_never_decides_what_the_fit_refuses(own):
+@pytest.mark.parametrize("init", ["k-means||", "k-means++"])
+def test_the_plan_never_decides_what_the_fit_refuses(own, init):
     """Whatever the plan decides (P in memory or its Zarr width, X held, chunk rows),
     the fit's own checks accept, with the workers' own memory counted by both."""
-    from dkicf._memory import COLUMN_BLOCK
+    from dkicf._kmeans_tasks import _check_fits
+    from dkicf._memory import COLUMN_BLOCK, kmeans_row_bytes
 
     planned = set()
+    state = kmeans_row_bytes(5, init)
     for limit in (300 * MiB, 512 * MiB, 2**30, 4 * 2**30):
         for n in (20_000, 300_000, 1_000_000, 3_000_000):
             for d, itemsize, rank, workers in ((2, 8, 100, 2), (64, 4, 50, 3)):
                 try:
                     plan = plan_fit((n, d), 100_000, itemsize, rank, worker_memory=limit,
-                                    n_workers=workers, worker_baseline=own)
+                                    n_workers=workers, worker_baseline=own, init=init)
                 except MemoryError:
                     planned.add("refused")
+                    # Without the workers' own memory, only k-means||'s state of a
+                    # worker's rows (136 bytes each) is refused.
+                    assert own or -(-n // workers) * state > 0.5 * limit, (limit, n, rank)
                     continue
                 planned.add(plan.p_storage)
                 client = FakeClient(workers, limit, own=own)
@@ -131,8 +168,10 @@ def test_the_plan_never_decides_what_the_fit_refuses(own):
                     spec = _chunk.StoreSpec("", "P", "t", cb)
                 _memory.check_worker_memory(client, chunks, d, dtype, plan.rank, spec,
                                               plan.persist_x, hold_x=plan.persist_x)
+                _check_fits(None, da.zeros((n, plan.rank), chunks=rows), [limit] * workers,
+                            plan.p_storage == "memory", state)
     assert {"memory", "zarr"} <= planned
-    assert ("refused" in planned) == bool(own)
+    assert ("refused" in planned) == bool(own or init == "k-means||")
 
 
 def test_the_fit_counts_the_workers_own_memory():
