@@ -19,6 +19,7 @@ import numpy as np
 from ._commit import StateCheckpoint
 from ._kmeans_config import KMeansProgress, KMeansResult, _Config
 from ._kmeans_tasks import _check_finite, _cluster_sums, _full_pass, _nearest
+from ._memory import KMEANS_FETCH_BYTES, KMEANS_FETCH_ROWS
 from ._services import chunk_digest
 from .errors import CheckpointMismatchError, worker_failure
 
@@ -29,14 +30,10 @@ logger = logging.getLogger("dkicf.kmeans")
 _REASSIGNMENT_RATIO = 1e-3
 
 
-# Mini-batch prefetch: rows of as many future steps as fit in this budget.  The
-# default run (max_iter 100, batches of 1024) fetches once up to s = 163, so that
-# on dask all its rows come while k-means|| runs (a run ending early leaves part of
-# its fetch unused; a second fetch would have cost a wait on the workers).
-_PREFETCH_ROWS = 102400
-
-
-_PREFETCH_BYTES = 128 << 20
+# Mini-batch prefetch: rows of as many future steps as fit in this budget
+# (the memory plan counts one such fetch on the workers).
+_PREFETCH_ROWS = KMEANS_FETCH_ROWS
+_PREFETCH_BYTES = KMEANS_FETCH_BYTES
 
 
 # A remote P: the first fetch of as many runs as fit in this budget is brought

@@ -333,6 +333,24 @@ def usable_memory_fraction() -> float:
 KMEANS_TASK_BYTES = 32
 
 
+# Mini-batch prefetch: rows of as many future steps as fit in this budget.  The
+# default run (max_iter 100, batches of 1024) fetches once up to s = 163, so that
+# on dask all its rows come while k-means|| runs (a run ending early leaves part of
+# its fetch unused; a second fetch would have cost a wait on the workers).
+KMEANS_FETCH_ROWS = 102400
+KMEANS_FETCH_BYTES = 128 << 20
+
+
+def kmeans_fetch_bytes(s: int) -> int:
+    """Bytes of P's rows (``s`` columns) that one mini-batch fetch brings at most.
+
+    The workers hold them, each its chunks' share, until the driver has
+    gathered them; the fetches run one at a time.
+    """
+    s = max(1, int(s))
+    return 8 * s * min(KMEANS_FETCH_ROWS, KMEANS_FETCH_BYTES // (8 * s))
+
+
 def kmeans_row_bytes(n_init: int = 5, init="k-means||") -> int:
     """Bytes per row that the k-means holds on the workers at its peak, besides P.
 

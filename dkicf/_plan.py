@@ -20,6 +20,7 @@ from ._memory import (
     KMEANS_TASK_BYTES,
     _Workers,
     held_bytes,
+    kmeans_fetch_bytes,
     kmeans_row_bytes,
     largest_rows,
     least_limit,
@@ -247,6 +248,7 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
     rechunked = False
     room, threads, rows_w = workers.room, workers.threads, workers.rows(n)
     enough = min(_MIN_ROWS, chunk_rows)
+    fetched = _fetch_share(workers, n, s)
 
     def fits(rows: int, hold_x: bool, columns: int | None, p_rows: int | None = None,
              copies: int | None = None) -> bool:
@@ -264,12 +266,13 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
     def kmeans_fits(rows: int, columns: int | None, copies: int | None = 2) -> bool:
         """Whether the k-means fits after it: P in memory is held (a second time if
         the factorization grouped X's chunks into tasks: P comes back chunked like
-        X, copied), P in Zarr is read a chunk per task; its state per row."""
+        X, copied), P in Zarr is read a chunk per task; its state per row and the
+        worker's share of a mini-batch fetch."""
         if columns is None:
-            held = max(rows_w, rows) * (8 * s * copies + kmeans_bytes)
+            held = max(rows_w, rows) * (8 * s * copies + kmeans_bytes) + fetched
             transient = rows * KMEANS_TASK_BYTES
         else:
-            held = rows_w * kmeans_bytes
+            held = rows_w * kmeans_bytes + fetched
             transient = rows * (8 * s * _KMEANS_P_COPIES + KMEANS_TASK_BYTES)
         return memory_fits(room, held, threads, transient)
 
@@ -369,13 +372,19 @@ def _least_need(workers, n: int, s: int, cap: int, rows: int, kmeans_bytes: int)
 
     The factorization's at a column a Zarr chunk (:func:`least_limit`), and
     the k-means's: the state of the busiest worker's rows
-    (``kmeans_bytes`` each) with one task per thread reading a chunk of
-    ``rows`` rows of P (:data:`_KMEANS_P_COPIES` copies).
+    (``kmeans_bytes`` each) and its share of a mini-batch fetch, with one
+    task per thread reading a chunk of ``rows`` rows of P
+    (:data:`_KMEANS_P_COPIES` copies).
     """
-    held = workers.rows(n) * kmeans_bytes
+    held = workers.rows(n) * kmeans_bytes + _fetch_share(workers, n, s)
     transient = rows * (8 * s * _KMEANS_P_COPIES + KMEANS_TASK_BYTES)
     room = held + workers.threads * transient / _TASK_SHARE
     return max(least_limit(workers, n, cap), (room + workers.baseline) / workers.fraction)
+
+
+def _fetch_share(workers, n: int, s: int) -> int:
+    """The busiest worker's share of one mini-batch fetch (rows drawn uniformly)."""
+    return math.ceil(kmeans_fetch_bytes(s) * workers.rows(n) / max(n, 1))
 
 
 def _least_memory_message(workers, n: int, s: int, need: float, kmeans_bytes: int) -> str:
@@ -389,7 +398,8 @@ def _least_memory_message(workers, n: int, s: int, need: float, kmeans_bytes: in
         f"Below {workers.fraction:.0%} of a worker's limit (where dask starts spilling to "
         f"disk) must fit the worker process itself ({_mib(workers.baseline)}, measured), "
         f"the residuals of its {rows} rows with a column of P each, the k-means's state "
-        f"of those rows ({_mib(rows * kmeans_bytes)}: {kmeans_bytes} bytes a row{hint}), "
+        f"of those rows ({_mib(rows * kmeans_bytes)}: {kmeans_bytes} bytes a row{hint}) "
+        f"and its share of the mini-batch rows ({_mib(_fetch_share(workers, n, s))}), "
         f"and the buffers of its {workers.threads} task(s) at once. Give the workers more "
         f"memory (--memory-limit {need}MiB or more; --memory per job on slurm and pbs) or "
         "add workers (--workers)."

@@ -355,6 +355,7 @@ def test_a_default_run_fetches_its_rows_once_and_all_five_come_ahead():
 
     from dkicf import _kmeans_runs
     from dkicf._kmeans_config import _check_config
+    from dkicf._memory import kmeans_fetch_bytes
 
     d = {k: v.default for k, v in inspect.signature(kmeans).parameters.items()}
     assert (d["batch_size"], d["max_iter"], d["n_init"]) == (1024, 100, 5)
@@ -365,6 +366,8 @@ def test_a_default_run_fetches_its_rows_once_and_all_five_come_ahead():
         per = _kmeans_runs._batches_per_fetch(cfg, s)
         assert per == steps, (s, per)
         assert _kmeans_runs._AHEAD_BYTES // (8 * per * cfg.batch_size * s) >= cfg.n_init
+        # The memory plan counts at least one such fetch's rows on the workers.
+        assert 8 * per * cfg.batch_size * s <= kmeans_fetch_bytes(s) < 8 * (per + 1) * 1024 * s
 
 
 def test_a_first_fetch_that_failed_raises_when_its_run_takes_it(km_client, monkeypatch):
