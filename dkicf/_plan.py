@@ -51,6 +51,9 @@ class FitPlan:
     Zarr, the flushed columns it streams.  ``worker_baseline`` is the memory
     a worker uses before holding any of the fit's data (None: not measured)
     and ``p_columns`` the columns of P per Zarr chunk (with P in Zarr).
+    ``kmeans_bytes`` is what the k-means holds on the workers besides P at
+    its peak: its state of every row (:func:`dkicf._memory.kmeans_row_bytes`)
+    and the rows of one mini-batch fetch.
     ``workers`` is the one measurement of the cluster's workers
     (:func:`dkicf._memory.measure_workers`, None for no cluster) that the
     fit's engine and k-means check against: a fit computes its plan once
@@ -73,6 +76,7 @@ class FitPlan:
     rechunked: bool = False
     worker_baseline: int | None = None
     p_columns: int | None = None
+    kmeans_bytes: int = 0
     workers: _Workers | None = field(default=None, repr=False, compare=False)
 
     def attrs(self) -> dict:
@@ -91,6 +95,8 @@ class FitPlan:
             f"estimated memory of a fit at rank {self.rank}:",
             f"  X: {gb(self.x_bytes)}, P: {gb(self.p_bytes)} ({self.n_chunks} chunks "
             f"of {self.chunk_rows} rows)",
+            f"  k-means besides P: {gb(self.kmeans_bytes)} (its state of every row and one "
+            "mini-batch fetch)",
             f"  one task: {gb(self.task_bytes)}"
             + (f" (worker limit {gb(self.worker_memory)}{own})" if self.worker_memory else ""),
             f"  X held in worker memory: {self.persist_x}; P kept in: {self.p_storage}"
@@ -191,7 +197,8 @@ def plan_fit(
     base = dict(n_samples=n, n_features=d, rank=s, x_bytes=x_bytes, p_bytes=p_bytes,
                 worker_memory=worker_memory, cluster_memory=cluster_memory,
                 threads_per_worker=threads_per_worker, worker_baseline=worker_baseline,
-                workers=workers)
+                workers=workers,
+                kmeans_bytes=n * kmeans_row_bytes(n_init, init) + kmeans_fetch_bytes(s))
     if not worker_memory:
         return FitPlan(
             chunk_rows=chunk_rows, n_chunks=math.ceil(n / chunk_rows),
