@@ -294,7 +294,8 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
             client = get_client()
             plan = plan_for_cluster(client, X.shape, X.chunks[0][0], X.dtype.itemsize,
                                     self.rank, p_storage="memory",
-                                    persist="yes" if self.persist else "no", decide=False)
+                                    persist="yes" if self.persist else "no", decide=False,
+                                    n_init=self.n_init, init=self.init)
         stages = fit_stages(self, X, client=client, plan=plan, progress=progress)
         icf, km = stages.factor, stages.clustering
         if self.verbose:
