@@ -328,8 +328,9 @@ def usable_memory_fraction() -> float:
         dask.config.get(f"distributed.worker.memory.{name}", None) for name in _THRESHOLDS)
 
 
-# k-means: bytes per row of one task's buffers besides its chunk of P (a block's
-# distances and labels in Lloyd's passes, the labels pass's output).
+# k-means: bytes per row of one task's buffers besides its chunk of P and the
+# labels and distances of its runs (kmeans_task_bytes): a block's distances, the
+# labels pass's output.
 KMEANS_TASK_BYTES = 32
 
 
@@ -357,13 +358,24 @@ def kmeans_row_bytes(n_init: int = 5, init="k-means||") -> int:
     With k-means|| (the default ``init``) each chunk keeps, between its
     passes, every run's squared distance to its nearest candidate (float64)
     and that candidate's number (int32), and the rows' squared norms
-    (float64); a round makes the new state before the one before it is let
-    go, so twice that: 136 bytes for five runs.  Otherwise what stays is the
-    last pass's labels (int64).
+    (float64): 68 bytes for five runs.  The driver lets a round's old
+    states go once the round is done, so at its end every chunk holds two:
+    136 bytes (measured: 155-158 bytes a row above P at rank 20 with a
+    mini-batch fetch of 16 among them).  Otherwise what stays is the last
+    pass's labels (int64).
     """
     if isinstance(init, str) and init == "k-means||":
         return 2 * (int(n_init) * (8 + 4) + 8)
     return 8
+
+
+def kmeans_task_bytes(n_init: int = 5) -> int:
+    """Bytes per row of its chunk that one k-means task allocates, besides P.
+
+    A Lloyd pass's label (int64) and squared distance (float64) of every
+    run, and :data:`KMEANS_TASK_BYTES` of buffers.
+    """
+    return 16 * int(n_init) + KMEANS_TASK_BYTES
 
 
 def held_bytes(n: int, d: int, itemsize: int, capacity: int, persist: bool,

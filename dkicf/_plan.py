@@ -17,11 +17,11 @@ from . import _memory, io
 from ._cluster import all_workers
 from ._memory import (
     _TASK_SHARE,
-    KMEANS_TASK_BYTES,
     _Workers,
     held_bytes,
     kmeans_fetch_bytes,
     kmeans_row_bytes,
+    kmeans_task_bytes,
     largest_rows,
     least_limit,
     measure_workers,
@@ -209,7 +209,8 @@ def plan_fit(
                        [max(threads_per_worker, 1)] * max(n_workers, 1),
                        worker_baseline or 0, usable)
     return _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
-                            hold_fraction, base, kmeans_row_bytes(n_init, init))
+                            hold_fraction, base,
+                            (kmeans_row_bytes(n_init, init), kmeans_task_bytes(n_init)))
 
 
 _NO_WORKERS = "the dask cluster has no workers; start some or wait for them before fitting."
@@ -246,9 +247,10 @@ def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: 
 
 
 def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
-                     hold_fraction, base, kmeans_bytes) -> FitPlan:
-    """:func:`plan_fit` once the workers' memory is known (``kmeans_bytes``: what
-    the k-means holds per row, :func:`dkicf._memory.kmeans_row_bytes`)."""
+                     hold_fraction, base, kmeans) -> FitPlan:
+    """:func:`plan_fit` once the workers' memory is known (``kmeans``: what the
+    k-means holds per row and what its tasks allocate per row, see
+    :func:`_kmeans_memory`)."""
     worker_memory, worker_baseline = base["worker_memory"], base["worker_baseline"]
     threads_per_worker, cluster_memory = base["threads_per_worker"], base["cluster_memory"]
     usable = workers.fraction
@@ -257,8 +259,7 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
     enough = min(_MIN_ROWS, chunk_rows)
     fetched = _fetch_share(workers, n, s)
 
-    def fits(rows: int, hold_x: bool, columns: int | None, p_rows: int | None = None,
-             copies: int | None = None) -> bool:
+    def fits(rows: int, hold_x: bool, columns: int | None, p_rows: int | None = None) -> bool:
         """Whether chunks of ``rows`` rows fit the factorization and then k-means."""
         held = held_bytes(max(rows_w, rows), d, itemsize, s, hold_x, columns)
         zarr_rows = None if columns is None else min(
@@ -266,32 +267,22 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
         transient = pass_transient(rows, d, itemsize, s, columns, zarr_rows)
         if not memory_fits(room, held, threads, transient):
             return False
-        if columns is None and copies is None:
-            copies = 1 if math.ceil(n / rows) <= workers.count * threads else 2
-        return kmeans_fits(rows, columns, copies)
+        return kmeans_fits(rows, columns)
 
-    def kmeans_fits(rows: int, columns: int | None, copies: int | None = 2) -> bool:
-        """Whether the k-means fits after it: P in memory is held (a second time if
-        the factorization grouped X's chunks into tasks: P comes back chunked like
-        X, copied), P in Zarr is read a chunk per task; its state per row and the
-        worker's share of a mini-batch fetch."""
-        if columns is None:
-            held = max(rows_w, rows) * (8 * s * copies + kmeans_bytes) + fetched
-            transient = rows * KMEANS_TASK_BYTES
-        else:
-            held = rows_w * kmeans_bytes + fetched
-            transient = rows * (8 * s * _KMEANS_P_COPIES + KMEANS_TASK_BYTES)
+    def kmeans_fits(rows: int, columns: int | None) -> bool:
+        """Whether the k-means fits after it (:func:`_kmeans_memory`)."""
+        held, transient = _kmeans_memory(rows_w, rows, s, columns, kmeans, fetched)
         return memory_fits(room, held, threads, transient)
 
     def least_need(cap: int) -> float:
         """Smallest limit per worker at which P in Zarr fits both stages."""
-        return _least_need(workers, n, s, cap, enough, kmeans_bytes)
+        return _least_need(workers, n, s, cap, enough, kmeans)
 
     def most_rows(hold_x: bool, columns: int | None) -> int:
         """Rows per chunk that fit, at most chunk_rows (0: not even a few)."""
         if fits(chunk_rows, hold_x, columns):
             return chunk_rows
-        rows = largest_rows(lambda r: fits(r, hold_x, columns, _ZARR_ROWS, 2), chunk_rows)
+        rows = largest_rows(lambda r: fits(r, hold_x, columns, _ZARR_ROWS), chunk_rows)
         if columns is not None and rows > _ZARR_ROWS:
             rows -= rows % _ZARR_ROWS  # whole Zarr chunks of P (see checkpoint.p_rows_for)
         return rows if rows >= enough else 0
@@ -321,7 +312,7 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
                                  usable, persist, base)
         if columns < 1 or not kmeans_fits(enough, columns):
             raise MemoryError(_least_memory_message(workers, n, s, least_need(cap),
-                                                    kmeans_bytes))
+                                                    kmeans[0]))
     if persist == "auto":
         persist_x = most_rows(True, columns) > 0
     else:
@@ -374,19 +365,40 @@ def _own_memory_message(workers, n: int, s: int, need: float) -> str:
     )
 
 
-def _least_need(workers, n: int, s: int, cap: int, rows: int, kmeans_bytes: int) -> float:
+def _least_need(workers, n: int, s: int, cap: int, rows: int, kmeans: tuple) -> float:
     """Smallest memory limit per worker at which P in Zarr fits ``n`` rows in both stages.
 
     The factorization's at a column a Zarr chunk (:func:`least_limit`), and
-    the k-means's: the state of the busiest worker's rows
-    (``kmeans_bytes`` each) and its share of a mini-batch fetch, with one
-    task per thread reading a chunk of ``rows`` rows of P
-    (:data:`_KMEANS_P_COPIES` copies).
+    the k-means's (:func:`_kmeans_memory`, ``kmeans`` its bytes a row held
+    and a task's): the state of the busiest worker's rows and its share of
+    a mini-batch fetch, with one task per thread over a chunk of ``rows``
+    rows of P.
     """
-    held = workers.rows(n) * kmeans_bytes + _fetch_share(workers, n, s)
-    transient = rows * (8 * s * _KMEANS_P_COPIES + KMEANS_TASK_BYTES)
+    held, transient = _kmeans_memory(workers.rows(n), rows, s, 1, kmeans,
+                                     _fetch_share(workers, n, s))
     room = held + workers.threads * transient / _TASK_SHARE
     return max(least_limit(workers, n, cap), (room + workers.baseline) / workers.fraction)
+
+
+def _kmeans_memory(rows_w: int, rows: int, s: int, columns: int | None,
+                   kmeans: tuple[int, int], fetched: int) -> tuple[int, int]:
+    """Bytes that the k-means holds on a worker of ``rows_w`` rows, and that one of its
+    tasks over a chunk of ``rows`` rows allocates.
+
+    ``kmeans`` is ``(held, task)`` bytes a row
+    (:func:`dkicf._memory.kmeans_row_bytes`, :func:`dkicf._memory.kmeans_task_bytes`).
+    Held: the k-means's state of every row, the worker's share of a
+    mini-batch fetch (``fetched``) and, with P in memory (``columns=None``),
+    P itself and the factorization's residual diagonal (8 bytes a row): P's
+    chunks are the factorization's buffers, or views of them, which the
+    k-means keeps as they are.  A task: its runs' labels and distances and
+    its buffers, and with P in Zarr the chunk of P it reads
+    (:data:`_KMEANS_P_COPIES` copies, as read and decoded).
+    """
+    state, per_task = kmeans
+    if columns is not None:
+        return rows_w * state + fetched, rows * (8 * s * _KMEANS_P_COPIES + per_task)
+    return max(rows_w, rows) * (8 * s + 8 + state) + fetched, rows * per_task
 
 
 def _fetch_share(workers, n: int, s: int) -> int:

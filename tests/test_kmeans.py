@@ -452,9 +452,10 @@ def test_the_kmeans_state_is_refused_when_it_exceeds_the_cluster():
 
 
 def test_the_memory_model_counts_the_kmeans_parallel_state(rng):
-    """kmeans_row_bytes is twice the bytes a row of a chunk's real k-means|| state."""
+    """kmeans_row_bytes is twice the bytes a row of a chunk's real k-means|| state (a
+    round's new states and the ones before them), kmeans_task_bytes a Lloyd scan's."""
     from dkicf import _kmeans_tasks
-    from dkicf._memory import kmeans_row_bytes
+    from dkicf._memory import kmeans_row_bytes, kmeans_task_bytes
 
     p = np.asfortranarray(rng.normal(size=(2000, 8)))
     for runs in (1, 5):
@@ -465,6 +466,9 @@ def test_the_memory_model_counts_the_kmeans_parallel_state(rng):
         arrays = [a for run in state.runs for a in run] + [state.x_sq]
         assert len({id(a) for a in arrays}) == 2 * runs + 1
         assert 2 * sum(a.nbytes for a in arrays) == kmeans_row_bytes(runs) * len(p)
+        labels, d2, _ = _kmeans_tasks._scan(p, 0, [p[:3]] * runs, with_sums=False)
+        scanned = sum(a.nbytes for a in labels + d2)
+        assert scanned + 32 * len(p) == kmeans_task_bytes(runs) * len(p)
     assert kmeans_row_bytes(5, "k-means++") == kmeans_row_bytes(5, np.zeros((3, 2))) == 8
 
 
@@ -808,6 +812,12 @@ def test_a_block_of_rows_of_a_fortran_p_is_held_without_a_copy():
     rows = buf[100:300, :8]  # rows of a Fortran matrix, not contiguous
     assert not rows.flags.c_contiguous and not rows.flags.f_contiguous
     assert _held_as_is(rows) and _held_as_is(buf) and _held_as_is(np.ascontiguousarray(buf))
+    # At an odd row of its buffer, or of a buffer with an odd number of rows: not aligned
+    # to 16 bytes, still not copied (the factor of an odd number of rows).
+    odd_rows = np.asfortranarray(np.arange(4010.0).reshape(401, 10))
+    for view in (odd_rows[1:200], odd_rows[200:], buf[101:300]):
+        assert view.ctypes.data % 16 or view.strides[1] % 16
+        assert _held_as_is(view)
     odd = np.arange(4000.0).reshape(400, 10)[:, :8]  # C-ordered, not contiguous
     assert not _held_as_is(odd)
     kept = _aligned(odd)

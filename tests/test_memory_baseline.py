@@ -125,9 +125,10 @@ def test_the_least_limit_counts_the_kmeans_state_when_it_binds():
         assert f"the k-means's state of those rows ({mib} MiB: {per_row} bytes a row" in message
         assert "its share of the mini-batch rows (39 MiB)" in message
     # The state of 2e6 rows and half of a mini-batch fetch (102,400 rows of P), one task's
-    # chunk of 256 rows of P (twice, as read and decoded, and 32 bytes a row of buffers)
-    # within 75% of what they leave, and the worker's own memory, below 60% of the limit.
-    held, task = 2 * 10**6 * 136 + 102_400 * 8 * 100 // 2, 256 * (2 * 8 * 100 + 32)
+    # chunk of 256 rows of P (twice, as read and decoded), its runs' labels and distances
+    # (16 bytes each) and 32 bytes a row of buffers within 75% of what they leave, and the
+    # worker's own memory, below 60% of the limit.
+    held, task = 2 * 10**6 * 136 + 102_400 * 8 * 100 // 2, 256 * (2 * 8 * 100 + 5 * 16 + 32)
     assert needs["k-means||"] == math.ceil((held + task / 0.75 + own) / 0.6 / MiB)
     # With k-means++ the factorization's need binds (a column of P a Zarr chunk).
     workers = _memory._Workers([2**30] * 2, [1, 1], own, 0.6)

@@ -22,8 +22,8 @@ def test_without_worker_memory_nothing_is_decided_from_memory():
 
 def test_the_plan_counts_the_kmeans_state_and_a_fetch():
     """k-means||: a float64 distance and an int32 label per run and row and the squared
-    norms, twice while a round runs; k-means++ keeps the labels; one mini-batch fetch of
-    102,400 rows of P (at most 128 MiB) beside them."""
+    norms, twice at the end of a round; k-means++ keeps the labels; one mini-batch fetch
+    of 102,400 rows of P (at most 128 MiB) beside them."""
     plan = plan_fit((10**6, 16), 250_000, 8, 150)
     assert plan.kmeans_bytes == 10**6 * 2 * (5 * 12 + 8) + 102_400 * 8 * 150
     assert "  k-means besides P: 0.241 GiB (its state of every row and one mini-batch " \
@@ -32,7 +32,7 @@ def test_the_plan_counts_the_kmeans_state_and_a_fetch():
     assert plan.kmeans_bytes == 10**6 * 8 + (2**27 // 4000) * 4000
     # A small rank on a cluster at its edge: k-means|| moves P to Zarr where the
     # state of k-means++ leaves it in memory.
-    kw = dict(worker_memory=1536 * 2**20, n_workers=2, worker_baseline=150 * 2**20)
+    kw = dict(worker_memory=1000 * 2**20, n_workers=2, worker_baseline=150 * 2**20)
     assert plan_fit((4 * 10**6, 8), 250_000, 8, 20, **kw).p_storage == "zarr"
     assert plan_fit((4 * 10**6, 8), 250_000, 8, 20, init="k-means++", **kw).p_storage == "memory"
 
