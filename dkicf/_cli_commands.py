@@ -471,20 +471,24 @@ def _cmd_info(args) -> int:
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.path)
     if args.json:
-        print(json.dumps(_info_json(args.path, args.rank, storage_options), default=str))
+        print(json.dumps(_info_json(args.path, args.rank, storage_options, args.n_init,
+                                    args.init), default=str))
         return 0
-    for line in describe(args.path, rank=args.rank, storage_options=storage_options):
+    for line in describe(args.path, rank=args.rank, n_init=args.n_init, init=args.init,
+                         storage_options=storage_options):
         print(line)
     return 0
 
 
-def _info_json(path: str, rank: int, storage_options: dict) -> dict:
+def _info_json(path: str, rank: int, storage_options: dict, n_init: int = 5,
+               init: str = "k-means||") -> dict:
     """What ``dkicf info`` shows, as one JSON object."""
     kind, details = io.inspect(path, storage_options=storage_options)
     result = {"path": path, "kind": kind, **details}
     if kind == "dataset":
         n, d = details["shape"]
-        plan = plan_fit((n, d), details["chunks"][0], np.dtype(details["dtype"]).itemsize, rank)
+        plan = plan_fit((n, d), details["chunks"][0], np.dtype(details["dtype"]).itemsize, rank,
+                        n_init=n_init, init=init)
         result["fit_estimate"] = asdict(plan)
     return result
 

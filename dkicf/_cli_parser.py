@@ -304,6 +304,11 @@ def _add_info(sub) -> None:
     p.add_argument("--rank", type=_positive_int, default=get("fit.rank"),
                    help=f"rank used for the memory estimate of a fit (default: "
                         f"{get('fit.rank')}, dask config dkicf.fit.rank)")
+    p.add_argument("--n-init", type=_positive_int, default=5,
+                   help="k-means restarts in that estimate: with k-means|| each keeps a "
+                        "distance and a label per row (default: 5)")
+    p.add_argument("--init", choices=list(INITS), default="k-means||",
+                   help="k-means initialisation in that estimate (default: k-means||)")
     _add_storage(p)
 
 

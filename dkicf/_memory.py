@@ -342,14 +342,16 @@ KMEANS_FETCH_ROWS = 102400
 KMEANS_FETCH_BYTES = 128 << 20
 
 
-def kmeans_fetch_bytes(s: int) -> int:
-    """Bytes of P's rows (``s`` columns) that one mini-batch fetch brings at most.
+def kmeans_fetch_bytes(s: int, n: int | None = None) -> int:
+    """Bytes of P's rows (``s`` columns, ``n`` rows) that one mini-batch fetch brings at most.
 
     The workers hold them, each its chunks' share, until the driver has
-    gathered them; the fetches run one at a time.
+    gathered them; the fetches run one at a time.  A row drawn twice comes
+    from its worker once.
     """
     s = max(1, int(s))
-    return 8 * s * min(KMEANS_FETCH_ROWS, KMEANS_FETCH_BYTES // (8 * s))
+    rows = min(KMEANS_FETCH_ROWS, KMEANS_FETCH_BYTES // (8 * s))
+    return 8 * s * (rows if n is None else min(rows, int(n)))
 
 
 def kmeans_row_bytes(n_init: int = 5, init="k-means||") -> int:

@@ -198,7 +198,7 @@ def plan_fit(
                 worker_memory=worker_memory, cluster_memory=cluster_memory,
                 threads_per_worker=threads_per_worker, worker_baseline=worker_baseline,
                 workers=workers,
-                kmeans_bytes=n * kmeans_row_bytes(n_init, init) + kmeans_fetch_bytes(s))
+                kmeans_bytes=n * kmeans_row_bytes(n_init, init) + kmeans_fetch_bytes(s, n))
     if not worker_memory:
         return FitPlan(
             chunk_rows=chunk_rows, n_chunks=math.ceil(n / chunk_rows),
@@ -403,7 +403,7 @@ def _kmeans_memory(rows_w: int, rows: int, s: int, columns: int | None,
 
 def _fetch_share(workers, n: int, s: int) -> int:
     """The busiest worker's share of one mini-batch fetch (rows drawn uniformly)."""
-    return math.ceil(kmeans_fetch_bytes(s) * workers.rows(n) / max(n, 1))
+    return math.ceil(kmeans_fetch_bytes(s, n) * workers.rows(n) / max(n, 1))
 
 
 def _least_memory_message(workers, n: int, s: int, need: float, kmeans_bytes: int) -> str:
@@ -461,14 +461,17 @@ def _worker_resources(client) -> tuple[int | None, int, int]:
     return limit, len(workers), threads
 
 
-def describe(path: str, *, rank: int = 100, storage_options: dict | None = None) -> list[str]:
-    """Lines describing a dataset (shape, chunks, sizes, fit estimate) or a model."""
+def describe(path: str, *, rank: int = 100, n_init: int = 5, init="k-means||",
+             storage_options: dict | None = None) -> list[str]:
+    """Lines describing a dataset (shape, chunks, sizes, fit estimate at ``rank`` with
+    the k-means's ``n_init`` and ``init``) or a model."""
     kind, meta = io.inspect(path, storage_options=storage_options)
     lines = [f"{path}: {kind}"]
     for key, value in meta.items():
         lines.append(f"  {key}: {value}")
     if kind == "dataset":
         n, d = meta["shape"]
-        plan = plan_fit((n, d), meta["chunks"][0], np.dtype(meta["dtype"]).itemsize, rank)
+        plan = plan_fit((n, d), meta["chunks"][0], np.dtype(meta["dtype"]).itemsize, rank,
+                        n_init=n_init, init=init)
         lines += plan.lines()
     return lines

@@ -706,6 +706,16 @@ def test_small_data_run_in_process_and_report_json(ring_store, tmp_path):
     info = dkicf("info", ring_store / "ring.zarr", "--json", "--rank", "20", cwd=tmp_path)
     details = json.loads(info.stdout)
     assert details["shape"] == [3000, 2] and details["fit_estimate"]["rank"] == 20
+    # The k-means's estimate: its state of every row (k-means||: a distance and a label
+    # per run, and the squared norms, twice) and a mini-batch fetch (at most every row of P).
+    fetch = 3000 * 8 * 20
+    assert details["fit_estimate"]["kmeans_bytes"] == 3000 * 2 * (5 * 12 + 8) + fetch
+    info = dkicf("info", ring_store / "ring.zarr", "--json", "--rank", "20", "--n-init", "10",
+                 cwd=tmp_path)
+    assert json.loads(info.stdout)["fit_estimate"]["kmeans_bytes"] == 3000 * 2 * 128 + fetch
+    info = dkicf("info", ring_store / "ring.zarr", "--json", "--rank", "20", "--init",
+                 "k-means++", cwd=tmp_path)
+    assert json.loads(info.stdout)["fit_estimate"]["kmeans_bytes"] == 3000 * 8 + fetch
 
 
 def test_refusals_come_before_any_cluster_starts(ring_store, tmp_path, capsys, monkeypatch):
