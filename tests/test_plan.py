@@ -35,6 +35,12 @@ def test_the_plan_counts_the_kmeans_state_and_a_fetch():
     kw = dict(worker_memory=1000 * 2**20, n_workers=2, worker_baseline=150 * 2**20)
     assert plan_fit((4 * 10**6, 8), 250_000, 8, 20, **kw).p_storage == "zarr"
     assert plan_fit((4 * 10**6, 8), 250_000, 8, 20, init="k-means++", **kw).p_storage == "memory"
+    # 16 chunks grouped into one task per worker: P reaches the k-means as views of the
+    # factorization's buffers, held once. Counted twice, P (160 bytes a row), its residual
+    # and the state would not fit a worker's room below 60% of 1300 MiB.
+    kw["worker_memory"] = 1300 * 2**20
+    assert plan_fit((4 * 10**6, 8), 250_000, 8, 20, **kw).p_storage == "memory"
+    assert 2 * 10**6 * (2 * 160 + 8 + 136) > 0.6 * 1300 * 2**20 - 150 * 2**20
 
 
 def test_a_roomy_cluster_holds_x_and_p_and_keeps_the_chunks():
