@@ -298,9 +298,10 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
             f"P ({n} x {s} float64, {held_bytes(n, d, itemsize, s, False) / 2**30:.2f} GiB with "
             f"its vectors) does not fit below {hold_fraction:.0%} of the "
             f"cluster's {cluster_memory / 2**30:.2f} GiB, where dask starts spilling to disk, "
-            f"with what the workers use themselves ({_mib(workers.baseline)} each) and the "
-            "buffers of their tasks: keep it in Zarr (p_storage='zarr', --p-storage zarr or "
-            "auto), or add workers or memory."
+            f"with what the workers use themselves ({_mib(workers.baseline)} each), the "
+            f"k-means's state of every row ({kmeans[0]} bytes a row) and the buffers of "
+            "their tasks: keep it in Zarr (p_storage='zarr', --p-storage zarr or auto), or "
+            "add workers or memory."
         )
     columns = None
     if p_storage == "zarr":

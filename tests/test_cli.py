@@ -304,7 +304,8 @@ def test_p_forced_into_memory_that_cannot_hold_it_is_refused_by_the_plan():
     from dkicf.pipeline import plan_fit
 
     with pytest.raises(MemoryError, match=r"does not fit below 60% of the cluster's 2.00 GiB"
-                       r".*--p-storage zarr"):
+                       r".*the k-means's state of every row \(136 bytes a row\).*"
+                       r"--p-storage zarr"):
         plan_fit((10**7, 8), 16384, 4, 50, worker_memory=2**30, n_workers=2,
                  p_storage="memory")
     plan = plan_fit((10**5, 8), 16384, 4, 50, worker_memory=2**30, n_workers=2,
