@@ -471,24 +471,25 @@ def _cmd_info(args) -> int:
     storage_options = _storage_options(args.storage_option, args.storage_options_file,
                                        args.path)
     if args.json:
-        print(json.dumps(_info_json(args.path, args.rank, storage_options, args.n_init,
-                                    args.init), default=str))
+        kmeans = dict(n_init=args.n_init, init=args.init, algorithm=args.algorithm)
+        print(json.dumps(_info_json(args.path, args.rank, storage_options, **kmeans),
+                         default=str))
         return 0
     for line in describe(args.path, rank=args.rank, n_init=args.n_init, init=args.init,
-                         storage_options=storage_options):
+                         algorithm=args.algorithm, storage_options=storage_options):
         print(line)
     return 0
 
 
 def _info_json(path: str, rank: int, storage_options: dict, n_init: int = 5,
-               init: str = "k-means||") -> dict:
+               init: str = "k-means||", algorithm: str = "minibatch-lloyd") -> dict:
     """What ``dkicf info`` shows, as one JSON object."""
     kind, details = io.inspect(path, storage_options=storage_options)
     result = {"path": path, "kind": kind, **details}
     if kind == "dataset":
         n, d = details["shape"]
         plan = plan_fit((n, d), details["chunks"][0], np.dtype(details["dtype"]).itemsize, rank,
-                        n_init=n_init, init=init)
+                        n_init=n_init, init=init, algorithm=algorithm)
         result["fit_estimate"] = asdict(plan)
     return result
 

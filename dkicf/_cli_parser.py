@@ -309,6 +309,9 @@ def _add_info(sub) -> None:
                         "distance and a label per row (default: 5)")
     p.add_argument("--init", choices=list(INITS), default="k-means||",
                    help="k-means initialisation in that estimate (default: k-means||)")
+    p.add_argument("--algorithm", choices=list(ALGORITHMS), default="minibatch-lloyd",
+                   help="k-means algorithm in that estimate: Lloyd alone fetches no "
+                        "mini-batch rows (default: minibatch-lloyd)")
     _add_storage(p)
 
 

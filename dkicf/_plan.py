@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -140,6 +141,7 @@ def plan_fit(
     workers: _Workers | None = None,
     n_init: int = 5,
     init="k-means||",
+    algorithm: str = "minibatch-lloyd",
 ) -> FitPlan:
     """Estimate the memory of a fit and decide chunking, X residency and P storage.
 
@@ -175,10 +177,12 @@ def plan_fit(
     workers : optional
         The measurement these figures come from (:func:`plan_for_cluster`),
         kept in the plan for the fit's checks.
-    n_init, init : optional
-        The k-means's runs and initialisation, as in :func:`dkicf.kmeans.kmeans`:
-        with k-means|| each run keeps a distance and a label per row on the
-        workers (:func:`dkicf._memory.kmeans_row_bytes`).
+    n_init, init, algorithm : optional
+        The k-means's runs, initialisation and algorithm, as in
+        :func:`dkicf.kmeans.kmeans`: with k-means|| each run keeps a distance
+        and a label per row on the workers
+        (:func:`dkicf._memory.kmeans_row_bytes`); the mini-batch steps fetch
+        rows of P (:func:`dkicf._memory.kmeans_fetch_bytes`).
 
     Raises
     ------
@@ -194,11 +198,11 @@ def plan_fit(
     cluster_memory = worker_memory * n_workers if worker_memory else None
     usable = usable_memory_fraction() if memory_fraction is None else memory_fraction
     hold_fraction = min(_HOLD_FRACTION, usable)
+    kmeans = _KMeansCost.of(n, s, n_init, init, algorithm)
     base = dict(n_samples=n, n_features=d, rank=s, x_bytes=x_bytes, p_bytes=p_bytes,
                 worker_memory=worker_memory, cluster_memory=cluster_memory,
                 threads_per_worker=threads_per_worker, worker_baseline=worker_baseline,
-                workers=workers,
-                kmeans_bytes=n * kmeans_row_bytes(n_init, init) + kmeans_fetch_bytes(s, n))
+                workers=workers, kmeans_bytes=n * kmeans.state + kmeans.fetch)
     if not worker_memory:
         return FitPlan(
             chunk_rows=chunk_rows, n_chunks=math.ceil(n / chunk_rows),
@@ -209,8 +213,7 @@ def plan_fit(
                        [max(threads_per_worker, 1)] * max(n_workers, 1),
                        worker_baseline or 0, usable)
     return _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
-                            hold_fraction, base,
-                            (kmeans_row_bytes(n_init, init), kmeans_task_bytes(n_init)))
+                            hold_fraction, base, kmeans)
 
 
 _NO_WORKERS = "the dask cluster has no workers; start some or wait for them before fitting."
@@ -218,7 +221,8 @@ _NO_WORKERS = "the dask cluster has no workers; start some or wait for them befo
 
 def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: int,
                      rank: int, *, p_storage: str = "auto", persist: str = "auto",
-                     decide: bool = True, n_init: int = 5, init="k-means||") -> FitPlan:
+                     decide: bool = True, n_init: int = 5, init="k-means||",
+                     algorithm: str = "minibatch-lloyd") -> FitPlan:
     """:func:`plan_fit` on a cluster's workers, measured once here (None: no cluster).
 
     The plan keeps the measurement (``FitPlan.workers``); the fit hands the
@@ -229,7 +233,7 @@ def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: 
     """
     if client is None:
         return plan_fit(shape, chunk_rows, itemsize, rank, p_storage=p_storage,
-                        persist=persist, n_init=n_init, init=init)
+                        persist=persist, n_init=n_init, init=init, algorithm=algorithm)
     workers = measure_workers(client)
     if not workers.count:
         raise RuntimeError(_NO_WORKERS)
@@ -242,22 +246,21 @@ def plan_for_cluster(client, shape: tuple[int, int], chunk_rows: int, itemsize: 
         # lets a fit fill, as measured on them.
         worker_baseline=workers.baseline if limited else None,
         memory_fraction=workers.fraction if limited else None, workers=workers,
-        n_init=n_init, init=init,
+        n_init=n_init, init=init, algorithm=algorithm,
     )
 
 
 def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
                      hold_fraction, base, kmeans) -> FitPlan:
     """:func:`plan_fit` once the workers' memory is known (``kmeans``: what the
-    k-means holds per row and what its tasks allocate per row, see
-    :func:`_kmeans_memory`)."""
+    k-means adds, see :func:`_kmeans_memory`)."""
     worker_memory, worker_baseline = base["worker_memory"], base["worker_baseline"]
     threads_per_worker, cluster_memory = base["threads_per_worker"], base["cluster_memory"]
     usable = workers.fraction
     rechunked = False
     room, threads, rows_w = workers.room, workers.threads, workers.rows(n)
     enough = min(_MIN_ROWS, chunk_rows)
-    fetched = _fetch_share(workers, n, s)
+    fetched = _fetch_share(workers, n, kmeans.fetch)
 
     def fits(rows: int, hold_x: bool, columns: int | None, p_rows: int | None = None) -> bool:
         """Whether chunks of ``rows`` rows fit the factorization and then k-means."""
@@ -299,7 +302,7 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
             f"its vectors) does not fit below {hold_fraction:.0%} of the "
             f"cluster's {cluster_memory / 2**30:.2f} GiB, where dask starts spilling to disk, "
             f"with what the workers use themselves ({_mib(workers.baseline)} each), the "
-            f"k-means's state of every row ({kmeans[0]} bytes a row) and the buffers of "
+            f"k-means's state of every row ({kmeans.state} bytes a row) and the buffers of "
             "their tasks: keep it in Zarr (p_storage='zarr', --p-storage zarr or auto), or "
             "add workers or memory."
         )
@@ -312,8 +315,7 @@ def _plan_on_workers(workers, n, d, itemsize, s, chunk_rows, p_storage, persist,
             return _plan_by_task(chunk_rows, d, itemsize, s, threads_per_worker, worker_memory,
                                  usable, persist, base)
         if columns < 1 or not kmeans_fits(enough, columns):
-            raise MemoryError(_least_memory_message(workers, n, s, least_need(cap),
-                                                    kmeans[0]))
+            raise MemoryError(_least_memory_message(workers, n, s, least_need(cap), kmeans))
     if persist == "auto":
         persist_x = most_rows(True, columns) > 0
     else:
@@ -366,28 +368,43 @@ def _own_memory_message(workers, n: int, s: int, need: float) -> str:
     )
 
 
-def _least_need(workers, n: int, s: int, cap: int, rows: int, kmeans: tuple) -> float:
+def _least_need(workers, n: int, s: int, cap: int, rows: int, kmeans: _KMeansCost) -> float:
     """Smallest memory limit per worker at which P in Zarr fits ``n`` rows in both stages.
 
     The factorization's at a column a Zarr chunk (:func:`least_limit`), and
-    the k-means's (:func:`_kmeans_memory`, ``kmeans`` its bytes a row held
-    and a task's): the state of the busiest worker's rows and its share of
-    a mini-batch fetch, with one task per thread over a chunk of ``rows``
-    rows of P.
+    the k-means's (:func:`_kmeans_memory`): the state of the busiest
+    worker's rows and its share of a mini-batch fetch, with one task per
+    thread over a chunk of ``rows`` rows of P.
     """
     held, transient = _kmeans_memory(workers.rows(n), rows, s, 1, kmeans,
-                                     _fetch_share(workers, n, s))
+                                     _fetch_share(workers, n, kmeans.fetch))
     room = held + workers.threads * transient / _TASK_SHARE
     return max(least_limit(workers, n, cap), (room + workers.baseline) / workers.fraction)
 
 
+class _KMeansCost(NamedTuple):
+    """What the k-means adds to the workers' memory: ``state`` bytes a row held, ``task``
+    bytes a row of a task's chunk, and the bytes of one mini-batch ``fetch`` (all the
+    workers' shares)."""
+
+    state: int
+    task: int
+    fetch: int
+
+    @classmethod
+    def of(cls, n: int, s: int, n_init: int, init, algorithm: str) -> _KMeansCost:
+        """The costs of a k-means of ``n_init`` runs on an ``n x s`` P (no fetch for Lloyd
+        alone)."""
+        fetch = 0 if algorithm == "lloyd" else kmeans_fetch_bytes(s, n)
+        return cls(kmeans_row_bytes(n_init, init), kmeans_task_bytes(n_init), fetch)
+
+
 def _kmeans_memory(rows_w: int, rows: int, s: int, columns: int | None,
-                   kmeans: tuple[int, int], fetched: int) -> tuple[int, int]:
+                   kmeans: _KMeansCost, fetched: int) -> tuple[int, int]:
     """Bytes that the k-means holds on a worker of ``rows_w`` rows, and that one of its
     tasks over a chunk of ``rows`` rows allocates.
 
-    ``kmeans`` is ``(held, task)`` bytes a row
-    (:func:`dkicf._memory.kmeans_row_bytes`, :func:`dkicf._memory.kmeans_task_bytes`).
+    ``kmeans``: the bytes a row held and of a task (:class:`_KMeansCost`).
     Held: the k-means's state of every row, the worker's share of a
     mini-batch fetch (``fetched``) and, with P in memory (``columns=None``),
     P itself and the factorization's residual diagonal (8 bytes a row): P's
@@ -396,20 +413,22 @@ def _kmeans_memory(rows_w: int, rows: int, s: int, columns: int | None,
     its buffers, and with P in Zarr the chunk of P it reads
     (:data:`_KMEANS_P_COPIES` copies, as read and decoded).
     """
-    state, per_task = kmeans
+    state, per_task = kmeans.state, kmeans.task
     if columns is not None:
         return rows_w * state + fetched, rows * (8 * s * _KMEANS_P_COPIES + per_task)
     return max(rows_w, rows) * (8 * s + 8 + state) + fetched, rows * per_task
 
 
-def _fetch_share(workers, n: int, s: int) -> int:
-    """The busiest worker's share of one mini-batch fetch (rows drawn uniformly)."""
-    return math.ceil(kmeans_fetch_bytes(s, n) * workers.rows(n) / max(n, 1))
+def _fetch_share(workers, n: int, fetch: int) -> int:
+    """The busiest worker's share of a mini-batch fetch of ``fetch`` bytes (rows drawn
+    uniformly)."""
+    return math.ceil(fetch * workers.rows(n) / max(n, 1))
 
 
-def _least_memory_message(workers, n: int, s: int, need: float, kmeans_bytes: int) -> str:
+def _least_memory_message(workers, n: int, s: int, need: float, kmeans: _KMeansCost) -> str:
     need = math.ceil(need / 2**20)
-    rows = workers.rows(n)
+    rows, kmeans_bytes = workers.rows(n), kmeans.state
+    fetched = _fetch_share(workers, n, kmeans.fetch)
     # k-means|| keeps a distance and a label per run and row.
     hint = "; fewer with a smaller --n-init or --init k-means++" if kmeans_bytes > 8 else ""
     return (
@@ -419,7 +438,7 @@ def _least_memory_message(workers, n: int, s: int, need: float, kmeans_bytes: in
         f"disk) must fit the worker process itself ({_mib(workers.baseline)}, measured), "
         f"the residuals of its {rows} rows with a column of P each, the k-means's state "
         f"of those rows ({_mib(rows * kmeans_bytes)}: {kmeans_bytes} bytes a row{hint}) "
-        f"and its share of the mini-batch rows ({_mib(_fetch_share(workers, n, s))}), "
+        f"and its share of the mini-batch rows ({_mib(fetched)}), "
         f"and the buffers of its {workers.threads} task(s) at once. Give the workers more "
         f"memory (--memory-limit {need}MiB or more; --memory per job on slurm and pbs) or "
         "add workers (--workers)."
@@ -463,9 +482,10 @@ def _worker_resources(client) -> tuple[int | None, int, int]:
 
 
 def describe(path: str, *, rank: int = 100, n_init: int = 5, init="k-means||",
+             algorithm: str = "minibatch-lloyd",
              storage_options: dict | None = None) -> list[str]:
     """Lines describing a dataset (shape, chunks, sizes, fit estimate at ``rank`` with
-    the k-means's ``n_init`` and ``init``) or a model."""
+    the k-means's ``n_init``, ``init`` and ``algorithm``) or a model."""
     kind, meta = io.inspect(path, storage_options=storage_options)
     lines = [f"{path}: {kind}"]
     for key, value in meta.items():
@@ -473,6 +493,6 @@ def describe(path: str, *, rank: int = 100, n_init: int = 5, init="k-means||",
     if kind == "dataset":
         n, d = meta["shape"]
         plan = plan_fit((n, d), meta["chunks"][0], np.dtype(meta["dtype"]).itemsize, rank,
-                        n_init=n_init, init=init)
+                        n_init=n_init, init=init, algorithm=algorithm)
         lines += plan.lines()
     return lines

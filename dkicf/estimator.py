@@ -295,7 +295,8 @@ class KernelKMeans(ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMix
             plan = plan_for_cluster(client, X.shape, X.chunks[0][0], X.dtype.itemsize,
                                     self.rank, p_storage="memory",
                                     persist="yes" if self.persist else "no", decide=False,
-                                    n_init=self.n_init, init=self.init)
+                                    n_init=self.n_init, init=self.init,
+                                    algorithm=self.algorithm)
         stages = fit_stages(self, X, client=client, plan=plan, progress=progress)
         icf, km = stages.factor, stages.clustering
         if self.verbose:

@@ -254,7 +254,7 @@ def _fit_claimed(store, out, params, t_start, *, client, overwrite, p_storage, p
     # The fit's one measurement of the workers, handed down to both stages.
     plan = plan_for_cluster(client, X.shape, X.chunks[0][0], X.dtype.itemsize, model.rank,
                             p_storage=p_storage, persist=persist, n_init=model.n_init,
-                            init=model.init)
+                            init=model.init, algorithm=model.algorithm)
     if plan.rechunked:
         logger.warning("re-chunking X to %d rows per chunk so a task fits a worker",
                        plan.chunk_rows)

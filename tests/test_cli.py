@@ -717,6 +717,9 @@ def test_small_data_run_in_process_and_report_json(ring_store, tmp_path):
     info = dkicf("info", ring_store / "ring.zarr", "--json", "--rank", "20", "--init",
                  "k-means++", cwd=tmp_path)
     assert json.loads(info.stdout)["fit_estimate"]["kmeans_bytes"] == 3000 * 8 + fetch
+    info = dkicf("info", ring_store / "ring.zarr", "--json", "--rank", "20", "--algorithm",
+                 "lloyd", cwd=tmp_path)  # Lloyd alone fetches no mini-batch rows
+    assert json.loads(info.stdout)["fit_estimate"]["kmeans_bytes"] == 3000 * 2 * 68
 
 
 def test_refusals_come_before_any_cluster_starts(ring_store, tmp_path, capsys, monkeypatch):

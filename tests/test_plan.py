@@ -30,6 +30,8 @@ def test_the_plan_counts_the_kmeans_state_and_a_fetch():
            "fetch)" in plan.lines()
     plan = plan_fit((10**6, 16), 250_000, 8, 500, n_init=2, init="k-means++")
     assert plan.kmeans_bytes == 10**6 * 8 + (2**27 // 4000) * 4000
+    plan = plan_fit((10**6, 16), 250_000, 8, 500, n_init=2, algorithm="lloyd")
+    assert plan.kmeans_bytes == 10**6 * 2 * (2 * 12 + 8)  # Lloyd alone: no fetch
     # A small rank on a cluster at its edge: k-means|| moves P to Zarr where the
     # state of k-means++ leaves it in memory.
     kw = dict(worker_memory=1000 * 2**20, n_workers=2, worker_baseline=150 * 2**20)
