@@ -96,8 +96,8 @@ class FitPlan:
             f"estimated memory of a fit at rank {self.rank}:",
             f"  X: {gb(self.x_bytes)}, P: {gb(self.p_bytes)} ({self.n_chunks} chunks "
             f"of {self.chunk_rows} rows)",
-            f"  k-means besides P: {gb(self.kmeans_bytes)} (its state of every row and one "
-            "mini-batch fetch)",
+            f"  k-means besides P: {gb(self.kmeans_bytes)} (its state of every row and, but "
+            "for Lloyd alone, one mini-batch fetch)",
             f"  one task: {gb(self.task_bytes)}"
             + (f" (worker limit {gb(self.worker_memory)}{own})" if self.worker_memory else ""),
             f"  X held in worker memory: {self.persist_x}; P kept in: {self.p_storage}"

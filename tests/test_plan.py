@@ -26,8 +26,8 @@ def test_the_plan_counts_the_kmeans_state_and_a_fetch():
     of 102,400 rows of P (at most 128 MiB) beside them."""
     plan = plan_fit((10**6, 16), 250_000, 8, 150)
     assert plan.kmeans_bytes == 10**6 * 2 * (5 * 12 + 8) + 102_400 * 8 * 150
-    assert "  k-means besides P: 0.241 GiB (its state of every row and one mini-batch " \
-           "fetch)" in plan.lines()
+    assert "  k-means besides P: 0.241 GiB (its state of every row and, but for Lloyd " \
+           "alone, one mini-batch fetch)" in plan.lines()
     plan = plan_fit((10**6, 16), 250_000, 8, 500, n_init=2, init="k-means++")
     assert plan.kmeans_bytes == 10**6 * 8 + (2**27 // 4000) * 4000
     plan = plan_fit((10**6, 16), 250_000, 8, 500, n_init=2, algorithm="lloyd")
