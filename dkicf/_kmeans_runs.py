@@ -19,7 +19,7 @@ import numpy as np
 from ._commit import StateCheckpoint
 from ._kmeans_config import KMeansProgress, KMeansResult, _Config
 from ._kmeans_tasks import _check_finite, _cluster_sums, _full_pass, _nearest
-from ._memory import KMEANS_FETCH_BYTES, KMEANS_FETCH_ROWS
+from ._memory import KMEANS_FETCH_BYTES, KMEANS_FETCH_ROWS, kmeans_fetch_rows
 from ._services import chunk_digest
 from .errors import CheckpointMismatchError, worker_failure
 
@@ -241,7 +241,7 @@ def _minibatch_step(x, centers, counts, rng, reseed: bool):
 
 def _batches_per_fetch(cfg: _Config, s: int) -> int:
     """Mini-batch steps whose rows one fetch brings (within the prefetch budget)."""
-    return max(1, min(_PREFETCH_ROWS, _PREFETCH_BYTES // (8 * s)) // cfg.batch_size)
+    return max(1, kmeans_fetch_rows(s, _PREFETCH_ROWS, _PREFETCH_BYTES) // cfg.batch_size)
 
 
 class _FirstFetches:

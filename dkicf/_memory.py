@@ -342,6 +342,13 @@ KMEANS_FETCH_ROWS = 102400
 KMEANS_FETCH_BYTES = 128 << 20
 
 
+def kmeans_fetch_rows(s: int, rows: int = KMEANS_FETCH_ROWS,
+                      nbytes: int = KMEANS_FETCH_BYTES) -> int:
+    """Rows of P (``s`` columns) that one mini-batch fetch brings at most: ``rows``, and
+    no more than ``nbytes`` of them."""
+    return min(rows, nbytes // (8 * max(1, int(s))))
+
+
 def kmeans_fetch_bytes(s: int, n: int | None = None) -> int:
     """Bytes of P's rows (``s`` columns, ``n`` rows) that one mini-batch fetch brings at most.
 
@@ -349,9 +356,8 @@ def kmeans_fetch_bytes(s: int, n: int | None = None) -> int:
     gathered them; the fetches run one at a time.  A row drawn twice comes
     from its worker once.
     """
-    s = max(1, int(s))
-    rows = min(KMEANS_FETCH_ROWS, KMEANS_FETCH_BYTES // (8 * s))
-    return 8 * s * (rows if n is None else min(rows, int(n)))
+    rows = kmeans_fetch_rows(s)
+    return 8 * max(1, int(s)) * (rows if n is None else min(rows, int(n)))
 
 
 def kmeans_row_bytes(n_init: int = 5, init="k-means||") -> int:
