@@ -461,6 +461,41 @@ def _lloyd_update(backend, run: _Run, parts: list, cfg: _Config, it: int, report
     report(it, inertia, shift, "lloyd", run.stop is not None)
 
 
+def _same_centers(centers: list) -> list[tuple[int, np.ndarray | None]]:
+    """For each set of centres, the first one equal to it bit for bit, in any order.
+
+    Returns ``(j, order)`` per set ``i``: ``centers[i][a]`` is ``centers[j][order[a]]``
+    (``order`` None where ``j == i``).  A set with a repeated centre or a
+    NaN is its own (a row's tie between two centres could go either way).
+    """
+    first: dict[bytes, tuple[int, np.ndarray]] = {}
+    out = []
+    for i, c in enumerate(centers):
+        idx = np.lexsort(c.T[::-1])
+        rows = np.ascontiguousarray(c[idx])
+        unique = np.isfinite(rows).all() and not (rows[1:] == rows[:-1]).all(axis=1).any()
+        key = rows.tobytes() if unique else None
+        if key is None or key not in first:
+            if key is not None:
+                first[key] = (i, idx)
+            out.append((i, None))
+            continue
+        j, idx_j = first[key]
+        order = np.empty_like(idx)
+        order[idx] = idx_j
+        out.append((j, order))
+    return out
+
+
+def _reordered(summary: dict, order: np.ndarray) -> dict:
+    """A run's summary of a chunk (:func:`~dkicf._kmeans_tasks._lloyd_summary`) for the
+    same centres in another order: centre ``a`` is the summary's ``order[a]``."""
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    return {**summary, "sums": summary["sums"][order], "counts": summary["counts"][order],
+            "far_label": inverse[summary["far_label"]]}
+
+
 def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Position) -> None:
     """The Lloyd iterations of every run in the same passes over P, then their measurement.
 
@@ -468,8 +503,11 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
     product for all their centres: a run's distances are what they would be
     alone up to rounding, its sums add the same rows in the same order)
     and for the runs that stopped without a measure of their final centres,
-    whose inertia and counts that pass gives.  A run that stops leaves the
-    passes; they end when every run has stopped and been measured.
+    whose inertia and counts that pass gives.  Runs holding the same
+    centres (restarts that reached the same partition) are computed once,
+    and each takes the summaries in its own centres' order; each still
+    applies its own stopping rule.  A run that stops leaves the passes;
+    they end when every run has stopped and been measured.
     """
     k = cfg.n_clusters
     while True:
@@ -480,9 +518,15 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
         it = runs.lloyd + 1 if moving else runs.lloyd
         pos.at("lloyd" if moving else "measure", it)
         pos.runs = group
-        parts = backend.lloyd_pass([runs.runs[i].centers for i in group], k)
+        same = _same_centers([runs.runs[i].centers for i in group])
+        slot = {j: n for n, j in enumerate(j for j, (first, _) in enumerate(same) if first == j)}
+        parts = backend.lloyd_pass([runs.runs[group[j]].centers for j in slot], k)
         for j, i in enumerate(group):
-            run, own = runs.runs[i], [part[j] for part in parts]
+            first, order = same[j]
+            own = [part[slot[first]] for part in parts]
+            if order is not None:
+                own = [_reordered(summary, order) for summary in own]
+            run = runs.runs[i]
             if run.stop is None:
                 _lloyd_update(backend, run, own, cfg, it, lambda *a, i=i: report(i, *a))
             else:

@@ -674,6 +674,56 @@ def test_the_runs_lloyd_iterations_share_their_passes(monkeypatch):
     assert res.n_steps_total == sum(per_run)
 
 
+def test_a_summary_in_another_centre_order_is_the_summary_of_those_centres():
+    """A run holding another run's centres in another order takes that run's chunk
+    summaries reordered: the same sums, counts, inertia and farthest rows as a pass over
+    its own centres."""
+    from dkicf._kmeans_runs import _reordered, _same_centers
+    from dkicf._kmeans_tasks import _chunk_lloyd
+
+    X, _ = blobs()
+    rng = np.random.default_rng(2)
+    c = X[[0, 5, 9, 30]] + 0.0
+    perm = rng.permutation(4)
+    other = rng.normal(size=(4, 3))
+    repeated = np.vstack([c[:3], c[:1]])  # a repeated centre: ties could go either way
+    same = _same_centers([c, other, c[perm], repeated, c[perm][::-1].copy()])
+    assert [j for j, _ in same] == [0, 1, 0, 3, 0]
+    assert same[0][1] is None and same[3][1] is None
+    for i in (2, 4):
+        mine = [c, other, c[perm], repeated, c[perm][::-1]][i]
+        order = same[i][1]
+        assert_array_equal(mine, c[order])
+        ref = _chunk_lloyd(X, 40, [mine], n_far=4)[0]
+        got = _reordered(_chunk_lloyd(X, 40, [c], n_far=4)[0], order)
+        assert set(got) == set(ref)
+        for key in ref:
+            assert_array_equal(got[key], ref[key])
+
+
+@pytest.mark.parametrize("algorithm", ["lloyd", "minibatch-lloyd"])
+def test_restarts_at_the_same_centres_share_one_product(monkeypatch, algorithm):
+    """Restarts that reach the same partition hold the same centres: the passes compute
+    them once, and the fit is the fit that computes each of them (the same centres,
+    labels, inertias and iterations)."""
+    from dkicf import _kmeans_runs, _kmeans_tasks
+
+    X, y = blobs(sizes=(300, 250, 200, 280))
+    passes = count_lloyd_passes(monkeypatch, _kmeans_tasks._NumpyBackend)
+    shared = kmeans(X, 4, algorithm=algorithm, n_init=5, random_state=0, tol=0.0)
+    assert adjusted_rand_score(y, shared.labels) == 1.0
+    counted = list(passes)
+    passes.clear()
+    monkeypatch.setattr(_kmeans_runs, "_same_centers",
+                        lambda centers: [(i, None) for i in range(len(centers))])
+    apart = kmeans(X, 4, algorithm=algorithm, n_init=5, random_state=0, tol=0.0)
+    assert min(counted) < 5 and passes[-1] == 5 and len(passes) == len(counted)
+    assert_array_equal(shared.labels, apart.labels)
+    assert_array_equal(shared.cluster_centers, apart.cluster_centers)
+    assert_allclose(shared.inertias, apart.inertias, rtol=1e-12)
+    assert (shared.n_iter, shared.n_steps_total) == (apart.n_iter, apart.n_steps_total)
+
+
 def test_a_lloyd_pass_sends_one_task_per_worker_thread(km_client, monkeypatch):
     """Eight chunks on 2 workers x 1 thread: each pass is 2 tasks, with the numpy result."""
     import dask.array as da
