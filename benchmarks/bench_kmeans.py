@@ -20,8 +20,14 @@ default 2e6).  Every method runs on the same P, one after the other.
 ``--restarts`` times the default with 1, 2, 3, 5 and 10 restarts instead
 (numpy backend): what restarts cost now that they share their passes.
 
+``--equal-runs`` times the default against itself with every restart's
+centres computed in each Lloyd pass even where two restarts hold the same
+centres (before such restarts shared one product), taking turns, twice:
+the sets of centres each Lloyd pass computed, the Lloyd passes' time and
+the ratio.
+
 Run: python benchmarks/bench_kmeans.py [--n 2000000] [--skip-dask] [--quick] [--restarts]
-     [--only pendigits mnist synthetic]
+     [--equal-runs] [--only pendigits mnist synthetic]
 """
 
 from __future__ import annotations
@@ -87,6 +93,50 @@ class _Passes:
         setattr(cls, name, counted)
 
 
+def _equal_runs(kmeans, P, k, client, seed) -> None:
+    """The default with and without equal restarts sharing one product, taking turns."""
+    import dask.array as da
+    from distributed import wait
+
+    runs_mod = sys.modules["dkicf._kmeans_runs"]
+    tasks = sys.modules["dkicf._kmeans_tasks"]
+    shared = runs_mod._same_centers
+    timed: list[tuple[int, float]] = []
+    for cls in (tasks._NumpyBackend, tasks._DaskBackend):
+        def lloyd_pass(obj, centers, n_far, real=cls.lloyd_pass):
+            t0 = time.perf_counter()
+            out = real(obj, centers, n_far)
+            timed.append((len(centers), time.perf_counter() - t0))
+            return out
+
+        cls.lloyd_pass = lloyd_pass
+    data = {"numpy": P}
+    if client is not None:
+        data["dask 2x1"] = client.persist(
+            da.from_array(P, chunks=(-(-P.shape[0] // 8), -1)).map_blocks(np.array, copy=True))
+        wait(data["dask 2x1"])
+    print("| backend | equal restarts | time (s) | Lloyd passes (s) | centre sets a pass "
+          "| inertia |")
+    print("|---|---|---|---|---|---|")
+    lloyd: dict = {}
+    for _ in range(2):
+        for mode in ("share one product", "apart"):
+            runs_mod._same_centers = shared if mode != "apart" else (
+                lambda centers: [(i, None) for i in range(len(centers))])
+            for backend, x in data.items():
+                timed.clear()
+                res, t = _time(kmeans, x, k, random_state=seed,
+                               client=None if backend == "numpy" else client)
+                spent = sum(dt for _, dt in timed)
+                lloyd.setdefault((backend, mode), []).append(spent)
+                print(f"| {backend} | {mode} | {t:.2f} | {spent:.2f} "
+                      f"| {[n for n, _ in timed]} | {res.inertia:.10g} |", flush=True)
+    runs_mod._same_centers = shared
+    for backend in data:
+        ratio = min(lloyd[backend, "apart"]) / min(lloyd[backend, "share one product"])
+        print(f"{backend}: Lloyd passes apart / shared, best of two: {ratio:.2f}")
+
+
 def _time(fn, *args, **kwargs):
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
@@ -104,6 +154,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--restarts", action="store_true",
                         help="the default with n_init = 1, 2, 3, 5, 10 (numpy backend only)")
+    parser.add_argument("--equal-runs", action="store_true",
+                        help="the default against itself computing equal restarts apart")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", RuntimeWarning)
     warnings.filterwarnings("ignore", message="Sending large graph")
@@ -117,6 +169,17 @@ def main(argv=None) -> None:
 
     passes = _Passes()
     client = None if args.skip_dask else local_cluster(2, 1)
+    if args.equal_runs:
+        try:
+            for name, P, _, k in _inputs(args.only, int(args.n)):
+                print(f"\n## {name}: P {P.shape[0]} x {P.shape[1]}, k = {k}")
+                _equal_runs(kmeans, P, k, client, args.seed)
+        finally:
+            if client is not None:
+                cluster = client.cluster
+                client.close()
+                cluster.close()
+        return
     options = [
         ("default (minibatch-lloyd, k-means||, 5)", {}),
         ("minibatch-lloyd, k-means++, 5", {"init": "k-means++"}),

@@ -490,10 +490,12 @@ def _same_centers(centers: list) -> list[tuple[int, np.ndarray | None]]:
 def _reordered(summary: dict, order: np.ndarray) -> dict:
     """A run's summary of a chunk (:func:`~dkicf._kmeans_tasks._lloyd_summary`) for the
     same centres in another order: centre ``a`` is the summary's ``order[a]``."""
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.size)
-    return {**summary, "sums": summary["sums"][order], "counts": summary["counts"][order],
-            "far_label": inverse[summary["far_label"]]}
+    out = {**summary, "counts": summary["counts"][order]}
+    if "sums" in summary:  # a Lloyd pass's, not a measure's
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(order.size)
+        out.update(sums=summary["sums"][order], far_label=inverse[summary["far_label"]])
+    return out
 
 
 def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Position) -> None:
@@ -503,7 +505,8 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
     product for all their centres: a run's distances are what they would be
     alone up to rounding, its sums add the same rows in the same order)
     and for the runs that stopped without a measure of their final centres,
-    whose inertia and counts that pass gives.  Runs holding the same
+    whose inertia and counts that pass gives (a pass that only measures
+    computes no sums).  Runs holding the same
     centres (restarts that reached the same partition) are computed once,
     and each takes the summaries in its own centres' order; each still
     applies its own stopping rule.  A run that stops leaves the passes;
@@ -520,7 +523,8 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
         pos.runs = group
         same = _same_centers([runs.runs[i].centers for i in group])
         slot = {j: n for n, j in enumerate(j for j, (first, _) in enumerate(same) if first == j)}
-        parts = backend.lloyd_pass([runs.runs[group[j]].centers for j in slot], k)
+        centers = [runs.runs[group[j]].centers for j in slot]
+        parts = backend.lloyd_pass(centers, k) if moving else backend.measure_pass(centers)
         for j, i in enumerate(group):
             first, order = same[j]
             own = [part[slot[first]] for part in parts]

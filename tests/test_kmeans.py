@@ -724,6 +724,51 @@ def test_restarts_at_the_same_centres_share_one_product(monkeypatch, algorithm):
     assert (shared.n_iter, shared.n_steps_total) == (apart.n_iter, apart.n_steps_total)
 
 
+@pytest.mark.parametrize("layout", ["C", "F"])
+def test_a_measure_of_centres_is_the_lloyd_pass_without_its_sums(layout):
+    """A pass that only measures runs' centres gives their Lloyd pass's inertia and counts."""
+    from dkicf._kmeans_tasks import _chunk_lloyd, _chunk_measure
+
+    x = overlapping(900)
+    x = np.asfortranarray(x) if layout == "F" else x
+    centers = [x[[1, 50, 300]] + 0.5, x[[7, 8]] + 0.0]
+    for got, ref in zip(_chunk_measure(x, 10, centers), _chunk_lloyd(x, 10, centers, 3)):
+        assert set(got) == {"inertia", "counts"}
+        assert_array_equal(got["counts"], ref["counts"])
+        assert got["inertia"] == pytest.approx(ref["inertia"], rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "dask"])
+def test_runs_left_to_measure_take_a_pass_without_sums(km_client, monkeypatch, backend):
+    """Runs stopped by ``tol`` are measured by the next pass; once no run iterates, that
+    pass computes no sums, and the fit is the one that measured them with a Lloyd pass."""
+    import dask.array as da
+
+    from dkicf import _kmeans_tasks
+
+    cls = _kmeans_tasks._NumpyBackend if backend == "numpy" else _kmeans_tasks._DaskBackend
+    X = overlapping(700)
+    data, client = (X, None) if backend == "numpy" else (
+        da.from_array(X, chunks=(UNEVEN,  3)), km_client)
+    measured = []
+    real = cls.measure_pass
+
+    def measure(self, centers):
+        measured.append(len(centers))
+        return real(self, centers)
+
+    monkeypatch.setattr(cls, "measure_pass", measure)
+    kw = {"algorithm": "lloyd", "n_init": 5, "tol": 1e-3, "random_state": 1, "client": client}
+    res = kmeans(data, 4, **kw)
+    assert measured and res.stop_reason in ("tol", "converged")
+    monkeypatch.setattr(cls, "measure_pass", lambda self, centers: self.lloyd_pass(centers, 4))
+    ref = kmeans(data, 4, **kw)
+    assert_array_equal(np.asarray(res.labels), np.asarray(ref.labels))
+    assert_array_equal(res.cluster_centers, ref.cluster_centers)
+    assert_allclose(res.inertias, ref.inertias, rtol=1e-12)
+    assert (res.n_iter, res.n_steps_total) == (ref.n_iter, ref.n_steps_total)
+
+
 def test_a_lloyd_pass_sends_one_task_per_worker_thread(km_client, monkeypatch):
     """Eight chunks on 2 workers x 1 thread: each pass is 2 tasks, with the numpy result."""
     import dask.array as da
