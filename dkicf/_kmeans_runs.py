@@ -506,11 +506,11 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
     alone up to rounding, its sums add the same rows in the same order)
     and for the runs that stopped without a measure of their final centres,
     whose inertia and counts that pass gives (a pass that only measures
-    computes no sums).  Runs holding the same
-    centres (restarts that reached the same partition) are computed once,
-    and each takes the summaries in its own centres' order; each still
-    applies its own stopping rule.  A run that stops leaves the passes;
-    they end when every run has stopped and been measured.
+    computes no sums).  Runs holding the same centres (restarts that reached
+    the same partition) are computed once, and each takes the summaries in
+    its own centres' order; each still applies its own stopping rule.  A
+    run that stops leaves the passes; they end when every run has stopped
+    and been measured.
     """
     k = cfg.n_clusters
     while True:
