@@ -75,7 +75,7 @@ class _Passes:
         km = sys.modules["dkicf._kmeans_tasks"]  # the numpy and dask k-means backends
         self.count = 0
         for backend in (km._NumpyBackend, km._DaskBackend):
-            for name in ("lloyd_pass", "measure_pass", "full_pass"):
+            for name in ("lloyd_pass", "full_pass"):
                 self._wrap(backend, name)
         self._wrap(km._NumpyBackend, "nearest_update")
         # The dask backend sends k-means|| as one graph: a pass per round and the first.

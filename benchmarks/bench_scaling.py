@@ -488,7 +488,7 @@ def _thread_cpu() -> dict:
 # The k-means' tasks by what they do, from their keys' names (first match).
 _KMEANS_KINDS = (("-update-", "k-means|| updates"), ("-draw-", "k-means|| draws"),
                  ("kmeans-rows", "row fetches"), ("kmeans-lloyd", "Lloyd"),
-                 ("kmeans-measure", "measures"), ("kmeans-assign", "labels"))
+                 ("kmeans-assign", "labels"))
 
 
 def kmeans_task_kinds(records: list) -> dict:

@@ -64,10 +64,10 @@ class _Position:
 
     The drivers update it before each request to the workers: ``phase`` is
     ``"fingerprint"`` (of P, for the checkpoint), ``"init"``, ``"minibatch"``,
-    ``"lloyd"`` (a shared Lloyd pass of the ``runs``), ``"measure"`` (a pass
-    that only measures the final centres of the ``runs``) or ``"labels"``
-    (the best run's labels); ``fetch`` is the range of mini-batch steps
-    whose rows are being fetched.
+    ``"lloyd"`` (a shared Lloyd pass of the ``runs``) or ``"labels"`` (the
+    labels of the run ``restart``, and a measure of the final centres of
+    the other ``runs``); ``fetch`` is the range of mini-batch steps whose
+    rows are being fetched.
     """
 
     n_init: int
@@ -87,12 +87,13 @@ class _Position:
                    f"runs {', '.join(str(r + 1) for r in self.runs)} of {self.n_init}")
         if self.phase == "fingerprint":
             return "the fingerprint of P for the checkpoint, before the first run"
+        if self.phase == "labels" and self.runs is not None and len(self.runs) > 1:
+            return (f"the pass that labels the rows for run {self.restart + 1}/{self.n_init} "
+                    f"and measures the final centres of {run}")
         if self.phase == "labels":
             return f"the assignment pass for the labels of the best run ({run})"
         if self.phase == "init":
             return f"{run}, initialisation"
-        if self.phase == "measure":
-            return f"{run}, the pass that measures the final centres"
         if self.phase == "lloyd":
             return f"{run}, Lloyd iteration {self.step}"
         where = f"{run}, mini-batch step {self.step}"
@@ -490,12 +491,10 @@ def _same_centers(centers: list) -> list[tuple[int, np.ndarray | None]]:
 def _reordered(summary: dict, order: np.ndarray) -> dict:
     """A run's summary of a chunk (:func:`~dkicf._kmeans_tasks._lloyd_summary`) for the
     same centres in another order: centre ``a`` is the summary's ``order[a]``."""
-    out = {**summary, "counts": summary["counts"][order]}
-    if "sums" in summary:  # a Lloyd pass's, not a measure's
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(order.size)
-        out.update(sums=summary["sums"][order], far_label=inverse[summary["far_label"]])
-    return out
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    return {**summary, "sums": summary["sums"][order], "counts": summary["counts"][order],
+            "far_label": inverse[summary["far_label"]]}
 
 
 def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Position) -> None:
@@ -505,26 +504,25 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
     product for all their centres: a run's distances are what they would be
     alone up to rounding, its sums add the same rows in the same order)
     and for the runs that stopped without a measure of their final centres,
-    whose inertia and counts that pass gives (a pass that only measures
-    computes no sums).  Runs holding the same centres (restarts that reached
-    the same partition) are computed once, and each takes the summaries in
-    its own centres' order; each still applies its own stopping rule.  A
-    run that stops leaves the passes; they end when every run has stopped
-    and been measured.
+    whose inertia and counts that pass gives.  Runs holding the same centres
+    (restarts that reached the same partition) are computed once, and each
+    takes the summaries in its own centres' order; each still applies its
+    own stopping rule.  A run that stops leaves the passes; they end when
+    every run has stopped, and the labels pass measures the runs still
+    unmeasured (:func:`_measure_and_label`).
     """
     k = cfg.n_clusters
     while True:
         group = [i for i, run in enumerate(runs.runs) if run.stop is None or run.inertia is None]
-        if not group:
-            return
         moving = [i for i in group if runs.runs[i].stop is None]
-        it = runs.lloyd + 1 if moving else runs.lloyd
-        pos.at("lloyd" if moving else "measure", it)
+        if not moving:
+            return  # what is left to measure, the labels pass measures (_measure_and_label)
+        it = runs.lloyd + 1
+        pos.at("lloyd", it)
         pos.runs = group
         same = _same_centers([runs.runs[i].centers for i in group])
         slot = {j: n for n, j in enumerate(j for j, (first, _) in enumerate(same) if first == j)}
-        centers = [runs.runs[group[j]].centers for j in slot]
-        parts = backend.lloyd_pass(centers, k) if moving else backend.measure_pass(centers)
+        parts = backend.lloyd_pass([runs.runs[group[j]].centers for j in slot], k)
         for j, i in enumerate(group):
             first, order = same[j]
             own = [part[slot[first]] for part in parts]
@@ -537,8 +535,40 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
                 run.inertia = math.fsum(p["inertia"] for p in own)
                 run.counts = np.sum([p["counts"] for p in own], axis=0, dtype=np.int64)
         runs.lloyd = it
-        if moving and ckpt is not None and ckpt.due(it, cfg.max_iter, "lloyd"):
+        if ckpt is not None and ckpt.due(it, cfg.max_iter, "lloyd"):
             ckpt.save()
+
+
+def _measure_and_label(backend, runs: _Runs, pos: _Position):
+    """The final centres of the runs not measured yet, measured in the pass that labels
+    the rows for the likely best run; the labels of the best run.
+
+    The likely best is the lowest inertia so far (a run's measured one, else
+    that of its last Lloyd pass, which its final centres do not exceed by
+    more than rounding), ties to the earlier run.  Only when a run that
+    pass measures turns out better are the labels computed again, in a
+    pass of their own.
+    """
+    def so_far(i):
+        run = runs.runs[i]
+        value = run.inertia if run.inertia is not None else run.previous
+        return math.inf if value is None else value
+
+    guess = min(range(len(runs.runs)), key=so_far)
+    todo = [i for i, run in enumerate(runs.runs) if run.inertia is None and i != guess]
+    sets = [guess] + todo
+    same = _same_centers([runs.runs[i].centers for i in sets])
+    slot = {j: n for n, j in enumerate(j for j, (first, _) in enumerate(same) if first == j)}
+    pos.restart, pos.runs = guess, sorted(sets[j] for j in slot)
+    pos.at("labels", runs.runs[guess].n_iter)
+    labels, inertias, counts = _full_pass(backend, [runs.runs[sets[j]].centers for j in slot])
+    for j, i in enumerate(sets):
+        run, (first, order) = runs.runs[i], same[j]
+        if run.inertia is None:
+            run.inertia = inertias[slot[first]]
+            run.counts = counts[slot[first]] if order is None else counts[slot[first]][order]
+    best = runs.pick_best()
+    return labels if best.restart == guess else None
 
 
 @dataclass
@@ -859,22 +889,24 @@ def _fit(backend, cfg: _Config, seeds, progress, ckpt: _Checkpointer | None, pos
                 )
             )
 
+    labels = None
     if runs.best is None:  # not a finished fit read back from its checkpoint
         _first_phases(backend, cfg, runs, saved, report, ckpt, pos)
         _shared_passes(backend, cfg, runs, report, ckpt, pos)
+        labels = _measure_and_label(backend, runs, pos)
         for restart, run in enumerate(runs.runs):
             logger.info("k-means (%s) run %d/%d: %d steps, stop: %s, inertia %.6e",
                         cfg.algorithm, restart + 1, cfg.n_init, run.n_iter, run.stop,
                         run.inertia)
-        runs.pick_best()
         if ckpt is not None:
             ckpt.save(finished=True)
     best = runs.best
     if not math.isfinite(best.inertia):
         raise _overflow_error(best.inertia)
-    pos.restart, pos.runs = best.restart, None
-    pos.at("labels", best.n_iter)
-    labels, _, _ = _full_pass(backend, best.centers)
+    if labels is None:
+        pos.restart, pos.runs = best.restart, None
+        pos.at("labels", best.n_iter)
+        labels, _, _ = _full_pass(backend, [best.centers])
     n_found = int(np.count_nonzero(best.counts))
     if n_found < cfg.n_clusters:
         warnings.warn(

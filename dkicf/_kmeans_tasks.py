@@ -215,13 +215,12 @@ def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
     return list(labels), list(d2), sums
 
 
-def _chunk_assign(p, offset: int, centers: np.ndarray, check: bool = True):
-    """One chunk of a full pass: its labels, and its inertia and counts."""
-    labels, d2, _ = _scan(p, offset, [centers], with_sums=False, check=check)
-    stats = {
-        "inertia": float(d2[0].sum()),
-        "counts": np.bincount(labels[0], minlength=centers.shape[0]),
-    }
+def _chunk_assign(p, offset: int, centers: list, check: bool = True):
+    """One chunk of a full pass: the labels of the first set of centres, and the inertia
+    and counts of every set (one read of the chunk for all)."""
+    labels, d2, _ = _scan(p, offset, centers, with_sums=False, check=check)
+    stats = [{"inertia": float(dist.sum()), "counts": np.bincount(lab, minlength=c.shape[0])}
+             for lab, dist, c in zip(labels, d2, centers)]
     return labels[0], stats
 
 
@@ -235,17 +234,6 @@ def _chunk_lloyd(p, offset: int, centers: list, n_far: int, check: bool = True) 
     labels, d2, sums = _scan(p, offset, centers, with_sums=True, check=check)
     return [_lloyd_summary(lab, dist, total, c.shape[0], n_far, offset)
             for lab, dist, total, c in zip(labels, d2, sums, centers)]
-
-
-def _chunk_measure(p, offset: int, centers: list, check: bool = True) -> list[dict]:
-    """One chunk of a pass that only measures runs' centres: each run's inertia and counts.
-
-    No sums, so a column-major chunk is read in place, as for labels: about
-    half the time of a Lloyd pass over the same centres.
-    """
-    labels, d2, _ = _scan(p, offset, centers, with_sums=False, check=check)
-    return [{"inertia": float(dist.sum()), "counts": np.bincount(lab, minlength=c.shape[0])}
-            for lab, dist, c in zip(labels, d2, centers)]
 
 
 def _lloyd_summary(labels, d2, sums, k: int, n_far: int, offset: int) -> dict:
@@ -564,11 +552,9 @@ class KMeansBackend(ChunkBackend, Protocol):
         """Per chunk, per set of centres (one per run, all in one read of P): per-centre
         sums and counts, inertia and the ``n_far`` farthest rows."""
 
-    def measure_pass(self, centers: list) -> list[list[dict]]:
-        """Per chunk, per set of centres: inertia and counts (a Lloyd pass without sums)."""
-
-    def full_pass(self, centers: np.ndarray):
-        """Per chunk: labels (kept where the chunk lives), inertia and counts."""
+    def full_pass(self, centers: list):
+        """Per chunk: the labels of the first set of centres (kept where the chunk
+        lives), and each set's inertia and counts."""
 
     def parallel_candidates(self, first: np.ndarray, ell: float, keys: list, meanwhile=None):
         """k-means|| for several runs: their candidates and the rows nearest to each
@@ -628,10 +614,7 @@ class _NumpyBackend:
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         return self._map(_chunk_lloyd, centers, n_far, False)
 
-    def measure_pass(self, centers: list) -> list[list[dict]]:
-        return self._map(_chunk_measure, centers, False)
-
-    def full_pass(self, centers: np.ndarray):
+    def full_pass(self, centers: list):
         parts = self._map(_chunk_assign, centers, False)
         return np.concatenate([labels for labels, _ in parts]), [st for _, st in parts]
 
@@ -771,9 +754,6 @@ class _DaskBackend:
     def lloyd_pass(self, centers: list, n_far: int) -> list[list[dict]]:
         return self._grouped_pass("lloyd", _chunk_lloyd, centers, n_far)
 
-    def measure_pass(self, centers: list) -> list[list[dict]]:
-        return self._grouped_pass("measure", _chunk_measure, centers)
-
     def _grouped_pass(self, name: str, fn, *args) -> list:
         """``fn(chunk, offset, *args, check)`` on every chunk, one task per group of chunks
         (:meth:`_groups`), the results in chunk order."""
@@ -820,7 +800,7 @@ class _DaskBackend:
         self._grouping = sorted(groups)
         return self._grouping
 
-    def full_pass(self, centers: np.ndarray):
+    def full_pass(self, centers: list):
         import dask.array as da
 
         both = self._map("assign", _chunk_assign, range(len(self.chunks)), self._starts(),
@@ -966,11 +946,15 @@ def _backend(P, client, persist: bool = True, limits: list[int] | None = None,
     return _NumpyBackend(P)
 
 
-def _full_pass(backend, centers: np.ndarray):
-    """Labels, inertia and per-centre counts of all rows (chunk results reduced in order)."""
+def _full_pass(backend, centers: list):
+    """The labels of all rows to the first set of centres, and each set's inertia and
+    per-centre counts (chunk results reduced in order), in one pass."""
     labels, stats = backend.full_pass(centers)
-    inertia = math.fsum(st["inertia"] for st in stats)
-    counts = np.zeros(centers.shape[0], dtype=np.int64)
-    for st in stats:
-        counts += st["counts"]
-    return labels, inertia, counts
+    inertias, counts = [], []
+    for j, c in enumerate(centers):
+        inertias.append(math.fsum(st[j]["inertia"] for st in stats))
+        total = np.zeros(c.shape[0], dtype=np.int64)
+        for st in stats:
+            total += st[j]["counts"]
+        counts.append(total)
+    return labels, inertias, counts

@@ -250,7 +250,7 @@ def assign(P, centers, *, client=None) -> tuple[Any, float]:
     centers = _check_centers(centers, None, P.shape[1], "centers")
     backend = _backend(P, client)
     try:
-        labels, inertia, _ = _full_pass(backend, centers)
+        labels, (inertia,), _ = _full_pass(backend, [centers])
     except worker_failure_types() as exc:
         raise worker_failure(
             exc, "labelling", 0, where="the pass that labels the rows",

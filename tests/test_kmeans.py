@@ -514,7 +514,7 @@ def test_dask_kmeans_holds_a_factorization_s_p_once(km_client):
     backend = _DaskBackend(res.P, km_client)
     try:
         assert sorted(b.key for b in backend.blocks) == sorted(holders)
-        labels, _ = backend.full_pass(np.zeros((2, res.P.shape[1])))
+        labels, _ = backend.full_pass([np.zeros((2, res.P.shape[1]))])
         assert labels.shape == (res.P.shape[0],)
         after = sum(km_client.run(_managed_bytes).values())
         assert after - before < res.P.nbytes / 4  # the passes' small results, not P again
@@ -724,24 +724,43 @@ def test_restarts_at_the_same_centres_share_one_product(monkeypatch, algorithm):
     assert (shared.n_iter, shared.n_steps_total) == (apart.n_iter, apart.n_steps_total)
 
 
-@pytest.mark.parametrize("layout", ["C", "F"])
-def test_a_measure_of_centres_is_the_lloyd_pass_without_its_sums(layout):
-    """A pass that only measures runs' centres gives their Lloyd pass's inertia and counts."""
-    from dkicf._kmeans_tasks import _chunk_lloyd, _chunk_measure
+def count_full_passes(monkeypatch, backend) -> list[int]:
+    """The sets of centres in each labels pass of ``backend``'s, as the passes are made."""
+    passes = []
+    real = backend.full_pass
 
-    x = overlapping(900)
-    x = np.asfortranarray(x) if layout == "F" else x
-    centers = [x[[1, 50, 300]] + 0.5, x[[7, 8]] + 0.0]
-    for got, ref in zip(_chunk_measure(x, 10, centers), _chunk_lloyd(x, 10, centers, 3)):
-        assert set(got) == {"inertia", "counts"}
-        assert_array_equal(got["counts"], ref["counts"])
-        assert got["inertia"] == pytest.approx(ref["inertia"], rel=1e-12)
+    def counted(self, centers):
+        passes.append(len(centers))
+        return real(self, centers)
+
+    monkeypatch.setattr(backend, "full_pass", counted)
+    return passes
+
+
+def final_centres(monkeypatch) -> list:
+    """Every run's final centres, as the fit leaves them (filled when it measures them)."""
+    from dkicf import _kmeans_runs
+
+    found = []
+    real = _kmeans_runs._measure_and_label
+
+    def recorded(backend, runs, pos):
+        found.extend(run.centers for run in runs.runs)
+        return real(backend, runs, pos)
+
+    monkeypatch.setattr(_kmeans_runs, "_measure_and_label", recorded)
+    return found
+
+
+def direct_inertia(X, centers) -> float:
+    return float(((X[:, None, :] - centers[None]) ** 2).sum(-1).min(1).sum())
 
 
 @pytest.mark.parametrize("backend", ["numpy", "dask"])
-def test_runs_left_to_measure_take_a_pass_without_sums(km_client, monkeypatch, backend):
-    """Runs stopped by ``tol`` are measured by the next pass; once no run iterates, that
-    pass computes no sums, and the fit is the one that measured them with a Lloyd pass."""
+def test_runs_left_to_measure_are_measured_by_the_labels_pass(km_client, monkeypatch, backend):
+    """Runs stopped by ``tol`` at the last Lloyd pass are measured in the pass that labels
+    the rows for the run likely to be best (the lowest inertia so far): no pass of its
+    own.  Every run's inertia is that of its final centres, the labels the best run's."""
     import dask.array as da
 
     from dkicf import _kmeans_tasks
@@ -749,24 +768,37 @@ def test_runs_left_to_measure_take_a_pass_without_sums(km_client, monkeypatch, b
     cls = _kmeans_tasks._NumpyBackend if backend == "numpy" else _kmeans_tasks._DaskBackend
     X = overlapping(700)
     data, client = (X, None) if backend == "numpy" else (
-        da.from_array(X, chunks=(UNEVEN,  3)), km_client)
-    measured = []
-    real = cls.measure_pass
+        da.from_array(X, chunks=(UNEVEN, 3)), km_client)
+    lloyd, full = count_lloyd_passes(monkeypatch, cls), count_full_passes(monkeypatch, cls)
+    centres = final_centres(monkeypatch)
+    seen: list[KMeansProgress] = []
+    res = kmeans(data, 4, algorithm="lloyd", n_init=5, tol=1e-3, random_state=1,
+                 client=client, progress=seen.append)
+    per_run = [sum(1 for p in seen if p.restart == r) for r in range(5)]
+    assert len(lloyd) == max(per_run)  # no pass only to measure
+    assert full[0] > 1 and len(full) == 1  # the likely best was the best
+    assert_allclose(res.inertias, [direct_inertia(X, c) for c in centres], rtol=1e-10)
+    assert res.inertia == min(res.inertias)
+    labels, inertia = assign(X, res.cluster_centers)
+    assert_array_equal(np.asarray(res.labels), labels)
+    assert res.inertia == pytest.approx(inertia, rel=1e-10)
 
-    def measure(self, centers):
-        measured.append(len(centers))
-        return real(self, centers)
 
-    monkeypatch.setattr(cls, "measure_pass", measure)
-    kw = {"algorithm": "lloyd", "n_init": 5, "tol": 1e-3, "random_state": 1, "client": client}
-    res = kmeans(data, 4, **kw)
-    assert measured and res.stop_reason in ("tol", "converged")
-    monkeypatch.setattr(cls, "measure_pass", lambda self, centers: self.lloyd_pass(centers, 4))
-    ref = kmeans(data, 4, **kw)
-    assert_array_equal(np.asarray(res.labels), np.asarray(ref.labels))
-    assert_array_equal(res.cluster_centers, ref.cluster_centers)
-    assert_allclose(res.inertias, ref.inertias, rtol=1e-12)
-    assert (res.n_iter, res.n_steps_total) == (ref.n_iter, ref.n_steps_total)
+def test_labels_are_computed_again_when_a_measured_run_turns_out_best(monkeypatch):
+    """Mini-batch runs have no inertia until measured: the first is labelled with the
+    measure of all five; when another turns out best, its labels take a pass of their own."""
+    from dkicf import _kmeans_tasks
+
+    X = overlapping(700)
+    full = count_full_passes(monkeypatch, _kmeans_tasks._NumpyBackend)
+    centres = final_centres(monkeypatch)
+    res = kmeans(X, 4, algorithm="minibatch", n_init=5, random_state=0)
+    best = res.inertias.index(res.inertia)
+    assert best != 0 and full == [5, 1]
+    assert_allclose(res.inertias, [direct_inertia(X, c) for c in centres], rtol=1e-10)
+    assert_array_equal(res.cluster_centers, centres[best])
+    labels, _ = assign(X, res.cluster_centers)
+    assert_array_equal(res.labels, labels)
 
 
 def test_a_lloyd_pass_sends_one_task_per_worker_thread(km_client, monkeypatch):
@@ -1053,8 +1085,8 @@ def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng)
         assert states is None or by_cols.x_sq is states.x_sq
         states = by_cols
     # The labels pass reads it by columns too: the same labels and inertia.
-    lab_c, stats_c = _kmeans_tasks._chunk_assign(p, 1000, centres)
-    lab_r, stats_r = _kmeans_tasks._chunk_assign(np.ascontiguousarray(p), 1000, centres)
+    lab_c, (stats_c,) = _kmeans_tasks._chunk_assign(p, 1000, [centres])
+    lab_r, (stats_r,) = _kmeans_tasks._chunk_assign(np.ascontiguousarray(p), 1000, [centres])
     np.testing.assert_array_equal(lab_c, lab_r)
     np.testing.assert_array_equal(lab_c, ((p[:, None, :] - centres[None]) ** 2).sum(-1).argmin(1))
     np.testing.assert_allclose(stats_c["inertia"], stats_r["inertia"], rtol=1e-10)
@@ -1063,4 +1095,4 @@ def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng)
     with pytest.raises(ValueError, match="first at row 2345"):
         _kmeans_tasks._chunk_nearest_update(bad[1000:2700], 1000, None, cands, firsts)
     with pytest.raises(ValueError, match="first at row 2345"):
-        _kmeans_tasks._chunk_assign(bad[1000:2700], 1000, centres)
+        _kmeans_tasks._chunk_assign(bad[1000:2700], 1000, [centres])
