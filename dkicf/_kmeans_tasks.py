@@ -217,11 +217,22 @@ def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
 
 def _chunk_assign(p, offset: int, centers: list, check: bool = True):
     """One chunk of a full pass: the labels of the first set of centres, and the inertia
-    and counts of every set (one read of the chunk for all)."""
-    labels, d2, _ = _scan(p, offset, centers, with_sums=False, check=check)
-    stats = [{"inertia": float(dist.sum()), "counts": np.bincount(lab, minlength=c.shape[0])}
-             for lab, dist, c in zip(labels, d2, centers)]
-    return labels[0], stats
+    and counts of every set.
+
+    The first set has a product of its own, the others share one: its labels
+    and inertia are bit for bit those of a pass for it alone (what a fit
+    resumed from a finished checkpoint computes).
+    """
+    stats = []
+    for part in (centers[:1], centers[1:]):
+        if part:
+            labels, d2, _ = _scan(p, offset, part, with_sums=False, check=check and not stats)
+            stats += [{"inertia": float(dist.sum()),
+                       "counts": np.bincount(lab, minlength=c.shape[0])}
+                      for lab, dist, c in zip(labels, d2, part)]
+            if len(stats) == 1:
+                first = labels[0]
+    return first, stats
 
 
 def _chunk_lloyd(p, offset: int, centers: list, n_far: int, check: bool = True) -> list[dict]:

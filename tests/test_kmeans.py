@@ -1090,6 +1090,16 @@ def test_kmeans_parallel_update_and_labels_read_column_major_p_as_row_major(rng)
     np.testing.assert_array_equal(lab_c, lab_r)
     np.testing.assert_array_equal(lab_c, ((p[:, None, :] - centres[None]) ** 2).sum(-1).argmin(1))
     np.testing.assert_allclose(stats_c["inertia"], stats_r["inertia"], rtol=1e-10)
+    # With other sets to measure in the same pass, the first set's labels and inertia are
+    # bit for bit those of a pass for it alone; the others', those of a direct computation.
+    others = [centres + 0.25, centres[::-1] * 1.5]
+    lab_m, stats_m = _kmeans_tasks._chunk_assign(p, 1000, [centres, *others])
+    np.testing.assert_array_equal(lab_m, lab_c)
+    assert stats_m[0]["inertia"] == stats_c["inertia"]
+    for st, c in zip(stats_m[1:], others):
+        d2 = ((p[:, None, :] - c[None]) ** 2).sum(-1)
+        np.testing.assert_allclose(st["inertia"], d2.min(1).sum(), rtol=1e-10)
+        np.testing.assert_array_equal(st["counts"], np.bincount(d2.argmin(1), minlength=len(c)))
     bad = buf.copy(order="F")
     bad[2345, 7] = np.nan
     with pytest.raises(ValueError, match="first at row 2345"):
