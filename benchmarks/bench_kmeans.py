@@ -20,11 +20,10 @@ default 2e6).  Every method runs on the same P, one after the other.
 ``--restarts`` times the default with 1, 2, 3, 5 and 10 restarts instead
 (numpy backend): what restarts cost now that they share their passes.
 
-``--equal-runs`` times the default against itself with every restart's
-centres computed in each Lloyd pass even where two restarts hold the same
-centres (before such restarts shared one product), taking turns, twice:
-the sets of centres each Lloyd pass computed, the Lloyd passes' time and
-the ratio.
+``--equal-runs`` times the default against itself computing every restart's
+centres in each Lloyd pass even where two restarts hold the same centres
+(as before such restarts shared one product), taking turns, twice: the sets
+of centres each Lloyd pass computed, the Lloyd passes' time and the ratio.
 
 Run: python benchmarks/bench_kmeans.py [--n 2000000] [--skip-dask] [--quick] [--restarts]
      [--equal-runs] [--only pendigits mnist synthetic]
