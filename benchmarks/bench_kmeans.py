@@ -92,11 +92,21 @@ class _Passes:
         setattr(cls, name, counted)
 
 
-def _equal_runs(kmeans, P, k, client, seed) -> None:
-    """The default with and without equal restarts sharing one product, taking turns."""
+def _held(client, P):
+    """P held on the workers (8 chunks) before a clock starts, in chunks the workers
+    allocated (as the factorization leaves it), not buffers of the transfer that
+    brought it."""
     import dask.array as da
     from distributed import wait
 
+    held = client.persist(da.from_array(P, chunks=(-(-P.shape[0] // 8), -1))
+                          .map_blocks(np.array, copy=True))
+    wait(held)
+    return held
+
+
+def _equal_runs(kmeans, P, k, client, seed) -> None:
+    """The default with and without equal restarts sharing one product, taking turns."""
     runs_mod = sys.modules["dkicf._kmeans_runs"]
     tasks = sys.modules["dkicf._kmeans_tasks"]
     shared = runs_mod._same_centers
@@ -111,9 +121,7 @@ def _equal_runs(kmeans, P, k, client, seed) -> None:
         cls.lloyd_pass = lloyd_pass
     data = {"numpy": P}
     if client is not None:
-        data["dask 2x1"] = client.persist(
-            da.from_array(P, chunks=(-(-P.shape[0] // 8), -1)).map_blocks(np.array, copy=True))
-        wait(data["dask 2x1"])
+        data["dask 2x1"] = _held(client, P)
     print("| backend | equal restarts | time (s) | Lloyd passes (s) | centre sets a pass "
           "| inertia |")
     print("|---|---|---|---|---|---|")
@@ -159,8 +167,6 @@ def main(argv=None) -> None:
     warnings.simplefilter("ignore", RuntimeWarning)
     warnings.filterwarnings("ignore", message="Sending large graph")
 
-    import dask.array as da
-    from distributed import wait
     from sklearn.cluster import KMeans, MiniBatchKMeans
 
     from dkicf import local_cluster
@@ -213,12 +219,7 @@ def main(argv=None) -> None:
                 data = P
                 if backend != "numpy":
                     if Pd is None:
-                        # P held on the workers before the clock starts, in chunks the
-                        # workers allocated (as the factorization leaves it), not
-                        # buffers of the transfer that brought it.
-                        Pd = client.persist(da.from_array(P, chunks=(-(-P.shape[0] // 8), -1))
-                                            .map_blocks(np.array, copy=True))
-                        wait(Pd)
+                        Pd = _held(client, P)
                     data = Pd
                 before = passes.count
                 res, t = _time(kmeans, data, k, random_state=args.seed,

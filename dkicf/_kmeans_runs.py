@@ -488,6 +488,13 @@ def _same_centers(centers: list) -> list[tuple[int, np.ndarray | None]]:
     return out
 
 
+def _slots(same: list) -> dict[int, int]:
+    """Of :func:`_same_centers`'s answer: each distinct set's place among the distinct sets
+    (those computed), by its index among all."""
+    distinct = [j for j, (first, _) in enumerate(same) if first == j]
+    return {j: place for place, j in enumerate(distinct)}
+
+
 def _reordered(summary: dict, order: np.ndarray) -> dict:
     """A run's summary of a chunk (:func:`~dkicf._kmeans_tasks._lloyd_summary`) for the
     same centres in another order: centre ``a`` is the summary's ``order[a]``."""
@@ -521,7 +528,7 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
         pos.at("lloyd", it)
         pos.runs = group
         same = _same_centers([runs.runs[i].centers for i in group])
-        slot = {j: n for n, j in enumerate(j for j, (first, _) in enumerate(same) if first == j)}
+        slot = _slots(same)
         parts = backend.lloyd_pass([runs.runs[group[j]].centers for j in slot], k)
         for j, i in enumerate(group):
             first, order = same[j]
@@ -558,7 +565,7 @@ def _measure_and_label(backend, runs: _Runs, pos: _Position):
     todo = [i for i, run in enumerate(runs.runs) if run.inertia is None and i != guess]
     sets = [guess] + todo
     same = _same_centers([runs.runs[i].centers for i in sets])
-    slot = {j: n for n, j in enumerate(j for j, (first, _) in enumerate(same) if first == j)}
+    slot = _slots(same)
     pos.restart, pos.runs = guess, sorted(sets[j] for j in slot)
     pos.at("labels", runs.runs[guess].n_iter)
     labels, inertias, counts = _full_pass(backend, [runs.runs[sets[j]].centers for j in slot])

@@ -176,6 +176,19 @@ def _row_blocks(p, offset: int, width: int, check: bool, views: bool = False):
         yield lo, hi, x
 
 
+def _packed(centers: list) -> tuple[np.ndarray, np.ndarray, int]:
+    """The runs' centres side by side for one product: ``-2 c`` padded to the largest
+    ``k`` (the width of a run), their squared norms (infinite for the padding, which no
+    row is nearest to), and that width."""
+    runs, width = len(centers), max(c.shape[0] for c in centers)
+    scaled = np.zeros((runs * width, centers[0].shape[1]))
+    c_sq = np.full(runs * width, np.inf)
+    for r, c in enumerate(centers):
+        np.multiply(c, -2.0, out=scaled[r * width:r * width + c.shape[0]])
+        c_sq[r * width:r * width + c.shape[0]] = np.einsum("ij,ij->i", c, c)
+    return scaled, c_sq, width
+
+
 def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
     """Labels, squared distances and (optionally) per-centre sums of one row chunk,
     for each set of centres in ``centers`` (one per run).
@@ -190,12 +203,8 @@ def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
     stays small whatever the chunk size.
     """
     n, s = p.shape
-    runs, width = len(centers), max(c.shape[0] for c in centers)
-    scaled = np.zeros((runs * width, s))
-    c_sq = np.full(runs * width, np.inf)  # padding: never nearest
-    for r, c in enumerate(centers):
-        np.multiply(c, -2.0, out=scaled[r * width:r * width + c.shape[0]])
-        c_sq[r * width:r * width + c.shape[0]] = np.einsum("ij,ij->i", c, c)
+    runs = len(centers)
+    scaled, c_sq, width = _packed(centers)
     labels = np.empty((runs, n), dtype=np.int64)
     d2 = np.empty((runs, n))
     sums = np.zeros((runs * width, s)) if with_sums else None
@@ -219,20 +228,24 @@ def _chunk_assign(p, offset: int, centers: list, check: bool = True):
     """One chunk of a full pass: the labels of the first set of centres, and the inertia
     and counts of every set.
 
-    The first set has a product of its own, the others share one: its labels
-    and inertia are bit for bit those of a pass for it alone (what a fit
-    resumed from a finished checkpoint computes).
+    The first set has a product of its own, the others share a second one
+    over the same row blocks: its labels and inertia are bit for bit those
+    of a pass for it alone (what a fit resumed from a finished checkpoint
+    computes).
     """
-    stats = []
-    for part in (centers[:1], centers[1:]):
-        if part:
-            labels, d2, _ = _scan(p, offset, part, with_sums=False, check=check and not stats)
-            stats += [{"inertia": float(dist.sum()),
-                       "counts": np.bincount(lab, minlength=c.shape[0])}
-                      for lab, dist, c in zip(labels, d2, part)]
-            if len(stats) == 1:
-                first = labels[0]
-    return first, stats
+    n = p.shape[0]
+    labels, d2 = np.empty((len(centers), n), dtype=np.int64), np.empty((len(centers), n))
+    packs = [(slice(0, 1), _packed(centers[:1]))]
+    if len(centers) > 1:
+        packs.append((slice(1, None), _packed(centers[1:])))
+    # Row blocks sized for the first set alone, as in its own pass; each block is read
+    # once for both products (a column-major chunk by columns, in place).
+    for lo, hi, x in _row_blocks(p, offset, packs[0][1][2], check, views=_column_major(p)):
+        for runs, pack in packs:
+            labels[runs, lo:hi], d2[runs, lo:hi] = _nearest_by_runs(x, *pack)
+    stats = [{"inertia": float(dist.sum()), "counts": np.bincount(lab, minlength=c.shape[0])}
+             for lab, dist, c in zip(labels, d2, centers)]
+    return labels[0], stats
 
 
 def _chunk_lloyd(p, offset: int, centers: list, n_far: int, check: bool = True) -> list[dict]:
