@@ -468,6 +468,10 @@ def _same_centers(centers: list) -> list[tuple[int, np.ndarray | None]]:
     Returns ``(j, order)`` per set ``i``: ``centers[i][a]`` is ``centers[j][order[a]]``
     (``order`` None where ``j == i``).  A set with a repeated centre or a
     NaN is its own (a row's tie between two centres could go either way).
+    Rows at the same distance from two distinct centres go to the first
+    in each run's own order: where a pass finds such a tie, the runs that
+    hold those centres in another order are computed apart
+    (:func:`_order_matters`).
     """
     first: dict[bytes, tuple[int, np.ndarray]] = {}
     out = []
@@ -495,6 +499,15 @@ def _slots(same: list) -> dict[int, int]:
     return {j: place for place, j in enumerate(distinct)}
 
 
+def _order_matters(same: list, slot: dict, tied: list) -> list[int]:
+    """The sets that :func:`_same_centers` gave another set's results in another order,
+    where that set had a row at two of its centres (``tied``, by place among the
+    distinct sets): their labels, so their sums and counts, are their own, computed
+    apart."""
+    return [j for j, (first, order) in enumerate(same)
+            if order is not None and tied[slot[first]]]
+
+
 def _reordered(summary: dict, order: np.ndarray) -> dict:
     """A run's summary of a chunk (:func:`~dkicf._kmeans_tasks._lloyd_summary`) for the
     same centres in another order: centre ``a`` is the summary's ``order[a]``."""
@@ -514,7 +527,10 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
     whose inertia and counts that pass gives.  Runs holding the same centres
     (restarts that reached the same partition) are computed once, and each
     takes the summaries in its own centres' order; each still applies its
-    own stopping rule.  A run that stops leaves the passes; they end when
+    own stopping rule.  Where a row lies at the same distance from two of
+    those centres, its label depends on their order (the first wins): the
+    runs that hold them in another order are then computed again, in a
+    pass of their own.  A run that stops leaves the passes; they end when
     every run has stopped, and the labels pass measures the runs still
     unmeasured (:func:`_measure_and_label`).
     """
@@ -530,11 +546,19 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
         same = _same_centers([runs.runs[i].centers for i in group])
         slot = _slots(same)
         parts = backend.lloyd_pass([runs.runs[group[j]].centers for j in slot], k)
+        tied = [any(part[place]["tied"] for part in parts) for place in range(len(slot))]
+        apart = _order_matters(same, slot, tied)
+        again = backend.lloyd_pass([runs.runs[group[j]].centers for j in apart], k) \
+            if apart else []
+        alone = {j: [part[m] for part in again] for m, j in enumerate(apart)}
         for j, i in enumerate(group):
             first, order = same[j]
-            own = [part[slot[first]] for part in parts]
-            if order is not None:
-                own = [_reordered(summary, order) for summary in own]
+            if j in alone:
+                own = alone[j]
+            else:
+                own = [part[slot[first]] for part in parts]
+                if order is not None:
+                    own = [_reordered(summary, order) for summary in own]
             run = runs.runs[i]
             if run.stop is None:
                 _lloyd_update(backend, run, own, cfg, it, lambda *a, i=i: report(i, *a))
@@ -568,12 +592,19 @@ def _measure_and_label(backend, runs: _Runs, pos: _Position):
     slot = _slots(same)
     pos.restart, pos.runs = guess, sorted(sets[j] for j in slot)
     pos.at("labels", runs.runs[guess].n_iter)
-    labels, inertias, counts = _full_pass(backend, [runs.runs[sets[j]].centers for j in slot])
+    tied = []
+    labels, inertias, counts = _full_pass(backend, [runs.runs[sets[j]].centers for j in slot],
+                                          tied)
+    apart = [j for j in _order_matters(same, slot, tied) if runs.runs[sets[j]].inertia is None]
+    if apart:  # their counts are their own (the inertia is not: it is the same)
+        _, _, again = _full_pass(backend, [runs.runs[sets[j]].centers for j in apart])
+        alone = dict(zip(apart, again))
     for j, i in enumerate(sets):
         run, (first, order) = runs.runs[i], same[j]
         if run.inertia is None:
             run.inertia = inertias[slot[first]]
-            run.counts = counts[slot[first]] if order is None else counts[slot[first]][order]
+            run.counts = alone[j] if j in apart else (
+                counts[slot[first]] if order is None else counts[slot[first]][order])
     best = runs.pick_best()
     return labels if best.restart == guess else None
 

@@ -80,7 +80,8 @@ def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray):
     return labels, d2
 
 
-def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width: int):
+def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width: int,
+                     tied: np.ndarray | None = None):
     """Each run's nearest centre for each row (ties to the lowest index) and the squared
     distance to it, as ``(runs, rows)`` arrays.
 
@@ -92,6 +93,8 @@ def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width:
     each row's few centres costs a third of the product at ``k = 10``
     (:func:`_first_reaching`).
     Clamped at 0 (rounding can make a row at a centre slightly negative).
+    ``tied`` (bool, one per run), if given, is set for each run where some
+    row has two centres or more at its minimum.
     """
     rows = x.shape[0]
     runs = scaled.shape[0] // width
@@ -100,7 +103,7 @@ def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width:
     d += np.einsum("ij,ij->i", x, x)
     by_run = d.reshape(runs, width, rows)
     least = np.minimum.reduce(by_run, axis=1, out=scratch("kmeans-least", (runs, rows)))
-    near = _first_reaching(by_run, least, "kmeans")
+    near = _first_reaching(by_run, least, "kmeans", tied)
     # A NaN minimum (a row whose squares overflow, next to a centre as large) is
     # reached by none: centre 0, so that a label never leaves its run's range.
     np.putmask(near, near == width, 0)
@@ -108,17 +111,23 @@ def _nearest_by_runs(x: np.ndarray, scaled: np.ndarray, c_sq: np.ndarray, width:
     return near, least
 
 
-def _first_reaching(d: np.ndarray, least: np.ndarray, slot: str) -> np.ndarray:
+def _first_reaching(d: np.ndarray, least: np.ndarray, slot: str,
+                    tied: np.ndarray | None = None) -> np.ndarray:
     """Index along the second-to-last axis of ``d`` (``(..., m, rows)``) of the first entry
     equal to ``least`` (its minimum over that axis), as int64; ``m`` where none is (a
     NaN minimum).
 
     A vectorised pass per entry along the rows, like the minimum itself: no
     argmin over each row's few entries.  ``slot`` names this thread's
-    scratch arrays.
+    scratch arrays.  ``tied`` (bool, of ``d.shape[:-2]``), if given, is set
+    where some row has two entries or more at the minimum: the first of them
+    then depends on the entries' order.
     """
     m = d.shape[-2]
     reached = np.equal(d, least[..., None, :], out=scratch(f"{slot}-reached", d.shape, np.bool_))
+    if tied is not None:
+        at_least = np.add.reduce(reached, axis=-2, dtype=np.uint8 if m < 256 else np.int64)
+        tied |= (at_least > 1).any(axis=-1)
     # The first at the minimum: the largest of (m - j) where it is reached.
     weight = np.arange(m, 0, -1, dtype=np.int32)[:, None]
     top = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
@@ -189,7 +198,8 @@ def _packed(centers: list) -> tuple[np.ndarray, np.ndarray, int]:
     return scaled, c_sq, width
 
 
-def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
+def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True,
+          tied: np.ndarray | None = None):
     """Labels, squared distances and (optionally) per-centre sums of one row chunk,
     for each set of centres in ``centers`` (one per run).
 
@@ -200,7 +210,7 @@ def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
     distances are therefore its own up to rounding, not bit for bit what
     they would be alone; its sums add the same rows in the same order.
     Works in row blocks (:func:`_row_blocks`) so that the distance block
-    stays small whatever the chunk size.
+    stays small whatever the chunk size.  ``tied``: see :func:`_nearest_by_runs`.
     """
     n, s = p.shape
     runs = len(centers)
@@ -213,7 +223,7 @@ def _scan(p, offset: int, centers: list, with_sums: bool, check: bool = True):
     # columns, as in k-means||: the product is the short, wide C x rows^T either way.
     by_columns = not with_sums and _column_major(p)
     for lo, hi, x in _row_blocks(p, offset, runs * width, check, views=by_columns):
-        near, dist = _nearest_by_runs(x, scaled, c_sq, width)
+        near, dist = _nearest_by_runs(x, scaled, c_sq, width, tied)
         labels[:, lo:hi] = near
         d2[:, lo:hi] = dist
         if with_sums:
@@ -231,10 +241,12 @@ def _chunk_assign(p, offset: int, centers: list, check: bool = True):
     The first set has a product of its own, the others share a second one
     over the same row blocks: its labels and inertia are bit for bit those
     of a pass for it alone (what a fit resumed from a finished checkpoint
-    computes).
+    computes).  A set's ``tied``: some row has two of its centres at its
+    minimum (its counts then depend on the centres' order).
     """
     n = p.shape[0]
     labels, d2 = np.empty((len(centers), n), dtype=np.int64), np.empty((len(centers), n))
+    tied = np.zeros(len(centers), dtype=bool)
     packs = [(slice(0, 1), _packed(centers[:1]))]
     if len(centers) > 1:
         packs.append((slice(1, None), _packed(centers[1:])))
@@ -242,9 +254,9 @@ def _chunk_assign(p, offset: int, centers: list, check: bool = True):
     # once for both products (a column-major chunk by columns, in place).
     for lo, hi, x in _row_blocks(p, offset, packs[0][1][2], check, views=_column_major(p)):
         for runs, pack in packs:
-            labels[runs, lo:hi], d2[runs, lo:hi] = _nearest_by_runs(x, *pack)
-    stats = [{"inertia": float(dist.sum()), "counts": np.bincount(lab, minlength=c.shape[0])}
-             for lab, dist, c in zip(labels, d2, centers)]
+            labels[runs, lo:hi], d2[runs, lo:hi] = _nearest_by_runs(x, *pack, tied[runs])
+    stats = [{"inertia": float(dist.sum()), "counts": np.bincount(lab, minlength=c.shape[0]),
+              "tied": bool(t)} for lab, dist, c, t in zip(labels, d2, centers, tied)]
     return labels[0], stats
 
 
@@ -253,14 +265,18 @@ def _chunk_lloyd(p, offset: int, centers: list, n_far: int, check: bool = True) 
 
     For each run: per-centre sums and counts, inertia, and the farthest
     points (largest squared distance to their centre, with their global
-    index and label), the candidates for re-seeding empty clusters.
+    index and label), the candidates for re-seeding empty clusters; and
+    whether some row has two of the run's centres at its minimum
+    (``tied``: the labels then depend on the centres' order).
     """
-    labels, d2, sums = _scan(p, offset, centers, with_sums=True, check=check)
-    return [_lloyd_summary(lab, dist, total, c.shape[0], n_far, offset)
-            for lab, dist, total, c in zip(labels, d2, sums, centers)]
+    tied = np.zeros(len(centers), dtype=bool)
+    labels, d2, sums = _scan(p, offset, centers, with_sums=True, check=check, tied=tied)
+    return [_lloyd_summary(lab, dist, total, c.shape[0], n_far, offset, bool(t))
+            for lab, dist, total, c, t in zip(labels, d2, sums, centers, tied)]
 
 
-def _lloyd_summary(labels, d2, sums, k: int, n_far: int, offset: int) -> dict:
+def _lloyd_summary(labels, d2, sums, k: int, n_far: int, offset: int,
+                   tied: bool = False) -> dict:
     """A run's summary of one chunk of a Lloyd iteration (see :func:`_chunk_lloyd`)."""
     n = labels.shape[0]
     m = min(n_far, n)
@@ -277,6 +293,7 @@ def _lloyd_summary(labels, d2, sums, k: int, n_far: int, offset: int) -> dict:
         "far_d2": d2[far],
         "far_index": far.astype(np.int64) + offset,
         "far_label": labels[far],
+        "tied": tied,
     }
 
 
@@ -970,9 +987,13 @@ def _backend(P, client, persist: bool = True, limits: list[int] | None = None,
     return _NumpyBackend(P)
 
 
-def _full_pass(backend, centers: list):
+def _full_pass(backend, centers: list, tied: list | None = None):
     """The labels of all rows to the first set of centres, and each set's inertia and
-    per-centre counts (chunk results reduced in order), in one pass."""
+    per-centre counts (chunk results reduced in order), in one pass.
+
+    ``tied``, if given, receives for each set whether some row has two of its
+    centres at its minimum (see :func:`_chunk_assign`).
+    """
     labels, stats = backend.full_pass(centers)
     inertias, counts = [], []
     for j, c in enumerate(centers):
@@ -981,4 +1002,6 @@ def _full_pass(backend, centers: list):
         for st in stats:
             total += st[j]["counts"]
         counts.append(total)
+        if tied is not None:
+            tied.append(any(st[j]["tied"] for st in stats))
     return labels, inertias, counts

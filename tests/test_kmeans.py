@@ -701,6 +701,77 @@ def test_a_summary_in_another_centre_order_is_the_summary_of_those_centres():
             assert_array_equal(got[key], ref[key])
 
 
+def midpoints(seed=0):
+    """Rows at 0, 1 and 2 (52, 71 and 59 of them), shuffled: with centres at 0 and 2,
+    the 71 rows at 1 are as near to both, and go to the first of the two."""
+    X = np.repeat([0.0, 1.0, 2.0], [52, 71, 59])[:, None]
+    return X[np.random.default_rng(seed).permutation(X.shape[0])]
+
+
+def test_a_chunk_reports_rows_as_near_to_two_centres():
+    """The Lloyd and labels passes say, for each set of centres, whether some row is at
+    its minimum distance from two of them (its label then depends on their order)."""
+    from dkicf._kmeans_tasks import _chunk_assign, _chunk_lloyd
+
+    X = midpoints()
+    sets = [np.array([[0.0], [2.0]]), np.array([[0.0], [1.5]]), np.array([[2.0], [0.0]])]
+    assert [summary["tied"] for summary in _chunk_lloyd(X, 0, sets, n_far=2)] == [
+        True, False, True]
+    labels, stats = _chunk_assign(X, 0, sets)
+    assert [st["tied"] for st in stats] == [True, False, True]
+    # Ties to the first centre in each set's own order.
+    assert_array_equal([st["counts"] for st in stats][::2], [[123, 59], [130, 52]])
+    assert_array_equal(labels, (X[:, 0] == 2).astype(np.int64))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "dask"])
+def test_restarts_at_the_same_centres_in_another_order_keep_their_own_ties(
+        km_client, monkeypatch, backend):
+    """Two Lloyd restarts from the same centres in another order: the rows as near to
+    both go to the first in each restart's own order, so they reach other partitions.
+    Each run ends as the fit of one run from its centres does."""
+    import dask.array as da
+
+    from dkicf import _kmeans_runs
+
+    X = midpoints()
+    data, client = (X, None) if backend == "numpy" else (
+        da.from_array(X, chunks=(50, 1)), km_client)
+    starts = [np.array([[0.0], [2.0]]), np.array([[2.0], [0.0]])]
+    kw = dict(algorithm="lloyd", tol=0.0, random_state=0, client=client)
+    alone = [kmeans(data, 2, init=c, **kw) for c in starts]
+    # The second start's rows at 1 go to its centre at 2: another partition, worse.
+    assert alone[1].inertia > alone[0].inertia * 1.05
+    given = iter(starts)
+    monkeypatch.setattr(_kmeans_runs, "_initial_centers",
+                        lambda cfg, rng, sample, candidates: (next(given), 1.0))
+    res = kmeans(data, 2, n_init=2, **kw)
+    assert res.inertias == [a.inertia for a in alone]
+    assert_array_equal(res.cluster_centers, alone[0].cluster_centers)
+    assert_array_equal(np.asarray(res.labels), np.asarray(alone[0].labels))
+
+
+def test_the_labels_pass_counts_each_run_s_own_ties():
+    """Runs measured in the labels pass, holding the same centres in another order:
+    the rows as near to two centres count for the first in each run's own order."""
+    from dkicf._kmeans_runs import _measure_and_label, _Position, _Run, _Runs
+    from dkicf._kmeans_tasks import _NumpyBackend
+
+    X = midpoints()
+    runs = _Runs(seeds=[0, 1], restart=2, runs=[
+        _Run(centers=np.array(c), tol_abs=0.0, n_iter=1, stop="max_iter")
+        for c in ([[0.0], [2.0]], [[2.0], [0.0]])])
+    backend = _NumpyBackend(X)
+    try:
+        labels = _measure_and_label(backend, runs, _Position(n_init=2))
+    finally:
+        backend.close()
+    assert [run.inertia for run in runs.runs] == [71.0, 71.0]
+    assert_array_equal(runs.runs[0].counts, [123, 59])
+    assert_array_equal(runs.runs[1].counts, [130, 52])
+    assert_array_equal(labels, (X[:, 0] == 2).astype(np.int64))
+
+
 @pytest.mark.parametrize("algorithm", ["lloyd", "minibatch-lloyd"])
 def test_restarts_at_the_same_centres_share_one_product(monkeypatch, algorithm):
     """Restarts that reach the same partition hold the same centres: the passes compute
