@@ -15,6 +15,11 @@ Families
         The hypothesis cases of ``tests/test_fuzz.py`` (files to convert;
         damaged dataset stores read as fit, predict and info read them;
         tampered model groups given to predict), ``--fuzz`` cases each.
+    fuzz: k-means
+        The hypothesis cases of ``tests/test_kmeans_properties.py``: random
+        rows (duplicated rows and small integer grids among them) and options;
+        each fits with the restarts sharing their passes and apart, which
+        must agree, and each fit must agree with direct computations.
     chaos: worker kills
         Fits on a LocalCluster of 3 workers; in each, one worker is SIGKILLed
         during loading, an ICF pass, k-means or the final write (by turns, at
@@ -108,6 +113,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def fuzz(examples: int, seed: int) -> list[Family]:
     import test_fuzz as tf
+    import test_kmeans_properties as tk
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -127,6 +133,9 @@ def fuzz(examples: int, seed: int) -> list[Family]:
         "fuzz: model groups (predict)": [
             given(mutations=st.lists(tf._MODEL_MUTATIONS, min_size=1, max_size=3))(
                 tf.test_fuzz_model_groups.hypothesis.inner_test)],
+        "fuzz: k-means (restarts sharing passes against apart)": [
+            given(case=tk.kmeans_cases())(
+                tk.test_fuzz_restarts_sharing_their_passes_fit_as_apart.hypothesis.inner_test)],
     }
     families = []
     for name, tests in runs.items():
