@@ -504,8 +504,8 @@ def _order_matters(same: list, slot: dict, tied: list) -> list[int]:
     where that set had a row at two of its centres (``tied``, by place among the
     distinct sets): their labels, so their sums and counts, are their own, computed
     apart."""
-    return [j for j, (first, order) in enumerate(same)
-            if order is not None and tied[slot[first]]]
+    return [j for j, (first, order) in enumerate(same) if order is not None
+            and tied[slot[first]] and (order != np.arange(order.size)).any()]
 
 
 def _reordered(summary: dict, order: np.ndarray) -> dict:

@@ -751,6 +751,17 @@ def test_restarts_at_the_same_centres_in_another_order_keep_their_own_ties(
     assert_array_equal(np.asarray(res.labels), np.asarray(alone[0].labels))
 
 
+def test_only_runs_holding_tied_centres_in_another_order_are_computed_apart():
+    from dkicf._kmeans_runs import _order_matters, _same_centers, _slots
+
+    c = np.array([[0.0], [2.0], [5.0]])
+    same = _same_centers([c, c.copy(), c[::-1].copy(), np.array([[1.0], [3.0], [4.0]])])
+    slot = _slots(same)
+    assert [j for j, _ in same] == [0, 0, 0, 3]
+    assert _order_matters(same, slot, [True, False]) == [2]  # the same order: its own
+    assert _order_matters(same, slot, [False, True]) == []
+
+
 def test_the_labels_pass_counts_each_run_s_own_ties():
     """Runs measured in the labels pass, holding the same centres in another order:
     the rows as near to two centres count for the first in each run's own order."""
