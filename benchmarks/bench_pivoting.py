@@ -175,6 +175,90 @@ def report(s, results, y, seed, client=None):
           + f"); pivots identical: {same} (max |trace error difference| {trace_gap:.1e})")
 
 
+def _random_case(rng: np.random.Generator):
+    """Rows, kernel options and a rank for one of ``--random-cases``: normal rows,
+    duplicated rows, blobs or a small integer grid (ties between mirror images);
+    a Gaussian, Laplacian or polynomial kernel; a rank up to past the numerical one."""
+    kind = str(rng.choice(["normal", "duplicates", "blobs", "grid"]))
+    n = int(rng.integers(2, 3000))
+    d = int(rng.integers(1, 3 if kind == "grid" else 10))
+    if kind == "normal":
+        X = rng.standard_normal((n, d))
+    elif kind == "duplicates":
+        base = rng.standard_normal((int(rng.integers(1, 15)), d))
+        X = base[rng.integers(0, base.shape[0], n)]
+    elif kind == "blobs":
+        centres = rng.standard_normal((int(rng.integers(1, 8)), d)) * 10
+        X = centres[rng.integers(0, centres.shape[0], n)] + rng.standard_normal((n, d)) / 10
+    else:
+        X = rng.integers(0, 3, (n, d)).astype(np.float64)
+    options = {"kernel": str(rng.choice(["gaussian", "gaussian", "laplacian", "polynomial"])),
+               "gamma": float(10 ** rng.uniform(-3, 1.5)),
+               "max_rank": int(rng.integers(1, min(n, 200) + 1)),
+               "tol": float(rng.choice([0.0, 1e-8, 1e-3]))}
+    return kind, X, options
+
+
+def _why_they_differ(X, options, g, b) -> str:
+    """Where block greedy's pivots leave greedy's: ``"tie"`` (the two rows' residuals, as
+    the sequential run holds them, within the block rule's rounding margin), ``"stop"``
+    (the same pivots, one run stopping a pivot earlier on a residual or trace at the
+    stopping value, within that margin) or ``"unexplained"``."""
+    from dkicf import incomplete_cholesky
+    from dkicf.pivoting import rounding_margin
+
+    m = min(g.rank, b.rank)
+    diff = np.flatnonzero(g.pivots[:m] != b.pivots[:m])
+    k = int(diff[0]) if diff.size else m
+    diag = g.kernel.diag(X)
+    # The residual the sequential run holds after k pivots.
+    e = diag if k == 0 else incomplete_cholesky(
+        X, pivoting="greedy", **dict(options, max_rank=k)).residual
+    margin = rounding_margin(float(diag.max()), g.kernel.roundoff(
+        float(np.einsum("ij,ij->i", X, X).max()), X.shape[1]), k, X.shape[0])
+    if diff.size:
+        gap = abs(e[g.pivots[k]] - e[b.pivots[k]])
+        return "tie" if gap <= margin else "unexplained"
+    longer = g if g.rank > b.rank else b
+    residual = e[longer.pivots[m]]
+    at_rank_stop = abs(residual - g.info["rank_tol"]) <= margin or residual <= margin
+    at_trace_stop = abs(float(e.sum()) - options["tol"]) <= X.shape[0] * margin
+    return "stop" if at_rank_stop or at_trace_stop else "unexplained"
+
+
+def random_cases(count: int, seed: int) -> None:
+    """``--random-cases``: block greedy against greedy on random, often degenerate data
+    (numpy backend); the pivots identical, or where they differ, why."""
+    import warnings
+
+    from dkicf import incomplete_cholesky
+
+    rng = np.random.default_rng(seed)
+    found = {"identical": 0, "tie": 0, "stop": 0, "unexplained": 0}
+    p_gap, started = 0.0, time.perf_counter()
+    for case in range(count):
+        kind, X, options = _random_case(rng)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rank-deficient kernels warn
+            g = incomplete_cholesky(X, pivoting="greedy", **options)
+            b = incomplete_cholesky(X, pivoting="block-greedy", **options)
+        if g.pivots.shape == b.pivots.shape and np.array_equal(g.pivots, b.pivots):
+            found["identical"] += 1
+            scale = max(1.0, float(np.abs(g.P).max())) if g.rank else 1.0
+            p_gap = max(p_gap, float(np.abs(g.P - b.P).max()) / scale if g.rank else 0.0)
+            continue
+        why = _why_they_differ(X, options, g, b)
+        found[why] += 1
+        first = next((i for i, (u, v) in enumerate(zip(g.pivots, b.pivots)) if u != v),
+                     min(g.rank, b.rank))
+        print(f"  case {case}: {kind} {X.shape[0]} x {X.shape[1]}, {options}: ranks "
+              f"{g.rank} and {b.rank}, first difference at pivot {first}: {why}")
+    print(f"{count} random cases (seed {seed}, {time.perf_counter() - started:.0f} s): "
+          f"pivots identical in {found['identical']} (P within {p_gap:.1e} of the largest "
+          f"entry); different at a tie within rounding in {found['tie']}, at a stop within "
+          f"rounding in {found['stop']}; unexplained in {found['unexplained']}")
+
+
 def bench_numpy(args) -> None:
     X, y = load_mnist(args.data, args.n, args.seed)
     print(f"MNIST n={X.shape[0]} d={X.shape[1]} gamma=2**-6, numpy backend, "
@@ -250,8 +334,13 @@ def main(argv=None) -> None:
                    help="--zarr only: keep P in Zarr (for data larger than the workers' memory)")
     p.add_argument("--chunks", type=int, default=8, help="row chunks of the Zarr array")
     p.add_argument("--memory-limit", default="4GiB", help="per worker, --zarr only")
+    p.add_argument("--random-cases", type=int, default=0, metavar="N",
+                   help="instead: block greedy against greedy on N random cases (normal and "
+                        "duplicated rows, blobs, integer grids; three kernels)")
     args = p.parse_args(argv)
-    if args.zarr:
+    if args.random_cases:
+        random_cases(args.random_cases, args.seed)
+    elif args.zarr:
         bench_zarr(args)
     else:
         bench_numpy(args)
