@@ -226,37 +226,78 @@ def _why_they_differ(X, options, g, b) -> str:
     return "stop" if at_rank_stop or at_trace_stop else "unexplained"
 
 
-def random_cases(count: int, seed: int) -> None:
+def _random_chunks(rng: np.random.Generator, n: int) -> tuple:
+    """1 to 6 row chunks of random lengths."""
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(int(rng.integers(0, 6)), n - 1),
+                              replace=False)) if n > 1 else np.array([], dtype=int)
+    return tuple(int(v) for v in np.diff(np.concatenate([[0], cuts, [n]])))
+
+
+def random_cases(count: int, seed: int, on_dask: bool = False) -> None:
     """``--random-cases``: block greedy against greedy on random, often degenerate data
-    (numpy backend); the pivots identical, or where they differ, why."""
+    (numpy backend); the pivots identical, or where they differ, why.
+
+    ``on_dask``: instead, each case's rule (greedy or block greedy, drawn) on
+    the numpy backend against the dask backend, X in 1 to 6 row chunks of
+    random lengths on a local cluster of 2 workers.  A difference there may
+    also be another copy of the same row: duplicated rows whose residuals
+    the products' rounding separates by their place in a chunk.
+    """
     import warnings
 
     from dkicf import incomplete_cholesky
 
     rng = np.random.default_rng(seed)
-    found = {"identical": 0, "tie": 0, "stop": 0, "unexplained": 0}
+    found = {"identical": 0, "copies": 0, "tie": 0, "stop": 0, "unexplained": 0}
     p_gap, started = 0.0, time.perf_counter()
-    for case in range(count):
-        kind, X, options = _random_case(rng)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # rank-deficient kernels warn
-            g = incomplete_cholesky(X, pivoting="greedy", **options)
-            b = incomplete_cholesky(X, pivoting="block-greedy", **options)
-        if g.pivots.shape == b.pivots.shape and np.array_equal(g.pivots, b.pivots):
-            found["identical"] += 1
-            scale = max(1.0, float(np.abs(g.P).max())) if g.rank else 1.0
-            p_gap = max(p_gap, float(np.abs(g.P - b.P).max()) / scale if g.rank else 0.0)
-            continue
-        why = _why_they_differ(X, options, g, b)
-        found[why] += 1
-        first = next((i for i, (u, v) in enumerate(zip(g.pivots, b.pivots)) if u != v),
-                     min(g.rank, b.rank))
-        print(f"  case {case}: {kind} {X.shape[0]} x {X.shape[1]}, {options}: ranks "
-              f"{g.rank} and {b.rank}, first difference at pivot {first}: {why}")
-    print(f"{count} random cases (seed {seed}, {time.perf_counter() - started:.0f} s): "
+    client = None
+    if on_dask:
+        import dask.array as da
+
+        from dkicf.deploy import local_cluster
+
+        client = local_cluster(2, 1)
+    try:
+        for case in range(count):
+            kind, X, options = _random_case(rng)
+            rules = ("greedy", "block-greedy")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # rank-deficient kernels warn
+                if on_dask:
+                    rule = rules[int(rng.integers(0, 2))]
+                    chunks = _random_chunks(rng, X.shape[0])
+                    g = incomplete_cholesky(X, pivoting=rule, **options)
+                    b = incomplete_cholesky(da.from_array(X, chunks=(chunks, X.shape[1])),
+                                            pivoting=rule, client=client, **options)
+                    b.pivots, b.P = np.asarray(b.pivots), np.asarray(b.P)
+                else:
+                    g, b = (incomplete_cholesky(X, pivoting=r, **options) for r in rules)
+            if g.pivots.shape == b.pivots.shape and np.array_equal(g.pivots, b.pivots):
+                found["identical"] += 1
+                scale = max(1.0, float(np.abs(g.P).max())) if g.rank else 1.0
+                p_gap = max(p_gap, float(np.abs(g.P - b.P).max()) / scale if g.rank else 0.0)
+                continue
+            m = min(g.rank, b.rank)
+            if g.rank == b.rank and np.array_equal(X[g.pivots], X[b.pivots]):
+                found["copies"] += 1
+                continue
+            why = _why_they_differ(X, options, g, b)
+            found[why] += 1
+            first = next((i for i, (u, v) in enumerate(zip(g.pivots, b.pivots)) if u != v), m)
+            print(f"  case {case}: {kind} {X.shape[0]} x {X.shape[1]}, {options}"
+                  + (f", {rule}, chunks {chunks}" if on_dask else "")
+                  + f": ranks {g.rank} and {b.rank}, first difference at pivot {first}: {why}")
+    finally:
+        if client is not None:
+            cluster = client.cluster
+            client.close()
+            cluster.close()
+    what = "numpy against dask" if on_dask else "greedy against block greedy"
+    print(f"{count} random cases, {what} (seed {seed}, {time.perf_counter() - started:.0f} s): "
           f"pivots identical in {found['identical']} (P within {p_gap:.1e} of the largest "
-          f"entry); different at a tie within rounding in {found['tie']}, at a stop within "
-          f"rounding in {found['stop']}; unexplained in {found['unexplained']}")
+          f"entry); other copies of the same rows in {found['copies']}; different at a tie "
+          f"within rounding in {found['tie']}, at a stop within rounding in "
+          f"{found['stop']}; unexplained in {found['unexplained']}")
 
 
 def bench_numpy(args) -> None:
@@ -337,9 +378,12 @@ def main(argv=None) -> None:
     p.add_argument("--random-cases", type=int, default=0, metavar="N",
                    help="instead: block greedy against greedy on N random cases (normal and "
                         "duplicated rows, blobs, integer grids; three kernels)")
+    p.add_argument("--on-dask", action="store_true",
+                   help="with --random-cases: the numpy backend against dask, X in random "
+                        "row chunks on 2 local workers")
     args = p.parse_args(argv)
     if args.random_cases:
-        random_cases(args.random_cases, args.seed)
+        random_cases(args.random_cases, args.seed, args.on_dask)
     elif args.zarr:
         bench_zarr(args)
     else:
