@@ -596,7 +596,7 @@ def _measure_and_label(backend, runs: _Runs, pos: _Position):
     labels, inertias, counts = _full_pass(backend, [runs.runs[sets[j]].centers for j in slot],
                                           tied)
     apart = [j for j in _order_matters(same, slot, tied) if runs.runs[sets[j]].inertia is None]
-    if apart:  # their counts are their own (the inertia is not: it is the same)
+    if apart:  # their counts are their own; a tie leaves every row's distance, so the inertia
         _, _, again = _full_pass(backend, [runs.runs[sets[j]].centers for j in apart])
         alone = dict(zip(apart, again))
     for j, i in enumerate(sets):
