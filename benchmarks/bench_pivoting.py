@@ -175,57 +175,6 @@ def report(s, results, y, seed, client=None):
           + f"); pivots identical: {same} (max |trace error difference| {trace_gap:.1e})")
 
 
-def _random_case(rng: np.random.Generator):
-    """Rows, kernel options and a rank for one of ``--random-cases``: normal rows,
-    duplicated rows, blobs or a small integer grid (ties between mirror images);
-    a Gaussian, Laplacian or polynomial kernel; a rank up to past the numerical one."""
-    kind = str(rng.choice(["normal", "duplicates", "blobs", "grid"]))
-    n = int(rng.integers(2, 3000))
-    d = int(rng.integers(1, 3 if kind == "grid" else 10))
-    if kind == "normal":
-        X = rng.standard_normal((n, d))
-    elif kind == "duplicates":
-        base = rng.standard_normal((int(rng.integers(1, 15)), d))
-        X = base[rng.integers(0, base.shape[0], n)]
-    elif kind == "blobs":
-        centres = rng.standard_normal((int(rng.integers(1, 8)), d)) * 10
-        X = centres[rng.integers(0, centres.shape[0], n)] + rng.standard_normal((n, d)) / 10
-    else:
-        X = rng.integers(0, 3, (n, d)).astype(np.float64)
-    options = {"kernel": str(rng.choice(["gaussian", "gaussian", "laplacian", "polynomial"])),
-               "gamma": float(10 ** rng.uniform(-3, 1.5)),
-               "max_rank": int(rng.integers(1, min(n, 200) + 1)),
-               "tol": float(rng.choice([0.0, 1e-8, 1e-3]))}
-    return kind, X, options
-
-
-def _why_they_differ(X, options, g, b) -> str:
-    """Where block greedy's pivots leave greedy's: ``"tie"`` (the two rows' residuals, as
-    the sequential run holds them, within the block rule's rounding margin), ``"stop"``
-    (the same pivots, one run stopping a pivot earlier on a residual or trace at the
-    stopping value, within that margin) or ``"unexplained"``."""
-    from dkicf import incomplete_cholesky
-    from dkicf.pivoting import rounding_margin
-
-    m = min(g.rank, b.rank)
-    diff = np.flatnonzero(g.pivots[:m] != b.pivots[:m])
-    k = int(diff[0]) if diff.size else m
-    diag = g.kernel.diag(X)
-    # The residual the sequential run holds after k pivots.
-    e = diag if k == 0 else incomplete_cholesky(
-        X, pivoting="greedy", **dict(options, max_rank=k)).residual
-    margin = rounding_margin(float(diag.max()), g.kernel.roundoff(
-        float(np.einsum("ij,ij->i", X, X).max()), X.shape[1]), k, X.shape[0])
-    if diff.size:
-        gap = abs(e[g.pivots[k]] - e[b.pivots[k]])
-        return "tie" if gap <= margin else "unexplained"
-    longer = g if g.rank > b.rank else b
-    residual = e[longer.pivots[m]]
-    at_rank_stop = abs(residual - g.info["rank_tol"]) <= margin or residual <= margin
-    at_trace_stop = abs(float(e.sum()) - options["tol"]) <= X.shape[0] * margin
-    return "stop" if at_rank_stop or at_trace_stop else "unexplained"
-
-
 def _random_chunks(rng: np.random.Generator, n: int) -> tuple:
     """1 to 6 row chunks of random lengths."""
     cuts = np.sort(rng.choice(np.arange(1, n), size=min(int(rng.integers(0, 6)), n - 1),
@@ -243,9 +192,13 @@ def random_cases(count: int, seed: int, on_dask: bool = False) -> None:
     also be another copy of the same row: duplicated rows whose residuals
     the products' rounding separates by their place in a chunk.
     """
+    import sys
     import warnings
 
     from dkicf import incomplete_cholesky
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_pivot_properties import random_case, why_they_differ
 
     rng = np.random.default_rng(seed)
     found = {"identical": 0, "copies": 0, "tie": 0, "stop": 0, "unexplained": 0}
@@ -259,7 +212,7 @@ def random_cases(count: int, seed: int, on_dask: bool = False) -> None:
         client = local_cluster(2, 1)
     try:
         for case in range(count):
-            kind, X, options = _random_case(rng)
+            kind, X, options = random_case(rng)
             rules = ("greedy", "block-greedy")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # rank-deficient kernels warn
@@ -281,7 +234,7 @@ def random_cases(count: int, seed: int, on_dask: bool = False) -> None:
             if g.rank == b.rank and np.array_equal(X[g.pivots], X[b.pivots]):
                 found["copies"] += 1
                 continue
-            why = _why_they_differ(X, options, g, b)
+            why = why_they_differ(X, options, g, b)
             found[why] += 1
             first = next((i for i, (u, v) in enumerate(zip(g.pivots, b.pivots)) if u != v), m)
             print(f"  case {case}: {kind} {X.shape[0]} x {X.shape[1]}, {options}"
