@@ -18,7 +18,7 @@ import numpy as np
 
 from ._commit import StateCheckpoint
 from ._kmeans_config import KMeansProgress, KMeansResult, _Config
-from ._kmeans_tasks import _check_finite, _cluster_sums, _full_pass, _nearest
+from ._kmeans_tasks import _check_finite, _cluster_sums, _nearest
 from ._memory import KMEANS_FETCH_BYTES, KMEANS_FETCH_ROWS, kmeans_fetch_rows
 from ._services import chunk_digest
 from .errors import CheckpointMismatchError, worker_failure
@@ -568,6 +568,26 @@ def _shared_passes(backend, cfg: _Config, runs: _Runs, report, ckpt, pos: _Posit
         runs.lloyd = it
         if ckpt is not None and ckpt.due(it, cfg.max_iter, "lloyd"):
             ckpt.save()
+
+
+def _full_pass(backend, centers: list, tied: list | None = None):
+    """The labels of all rows to the first set of centres, and each set's inertia and
+    per-centre counts (chunk results reduced in order), in one pass.
+
+    ``tied``, if given, receives for each set whether some row has two of its
+    centres at its minimum (see :func:`~dkicf._kmeans_tasks._chunk_assign`).
+    """
+    labels, stats = backend.full_pass(centers)
+    inertias, counts = [], []
+    for j, c in enumerate(centers):
+        inertias.append(math.fsum(st[j]["inertia"] for st in stats))
+        total = np.zeros(c.shape[0], dtype=np.int64)
+        for st in stats:
+            total += st[j]["counts"]
+        counts.append(total)
+        if tied is not None:
+            tied.append(any(st[j]["tied"] for st in stats))
+    return labels, inertias, counts
 
 
 def _measure_and_label(backend, runs: _Runs, pos: _Position):

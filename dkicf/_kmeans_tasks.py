@@ -985,23 +985,3 @@ def _backend(P, client, persist: bool = True, limits: list[int] | None = None,
     if is_dask_array(P):
         return _DaskBackend(P, client, persist, limits, row_bytes)
     return _NumpyBackend(P)
-
-
-def _full_pass(backend, centers: list, tied: list | None = None):
-    """The labels of all rows to the first set of centres, and each set's inertia and
-    per-centre counts (chunk results reduced in order), in one pass.
-
-    ``tied``, if given, receives for each set whether some row has two of its
-    centres at its minimum (see :func:`_chunk_assign`).
-    """
-    labels, stats = backend.full_pass(centers)
-    inertias, counts = [], []
-    for j, c in enumerate(centers):
-        inertias.append(math.fsum(st[j]["inertia"] for st in stats))
-        total = np.zeros(c.shape[0], dtype=np.int64)
-        for st in stats:
-            total += st[j]["counts"]
-        counts.append(total)
-        if tied is not None:
-            tied.append(any(st[j]["tied"] for st in stats))
-    return labels, inertias, counts

@@ -46,12 +46,13 @@ from ._kmeans_config import (
 from ._kmeans_runs import (
     _CHECKPOINT_EVERY,
     _fit,
+    _full_pass,
     _open_checkpoint,
     _Position,
     _seed_fingerprint,
     _worker_failure,
 )
-from ._kmeans_tasks import _backend, _full_pass
+from ._kmeans_tasks import _backend
 from ._memory import kmeans_row_bytes
 from ._services import threadpool_limits
 from ._validation import check_array_2d, check_positive_int
