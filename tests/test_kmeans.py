@@ -892,13 +892,14 @@ def test_labels_are_computed_again_when_a_measured_run_turns_out_best(monkeypatc
 def test_a_lloyd_pass_sends_one_task_per_worker_thread(km_client, monkeypatch):
     """Eight chunks on 2 workers x 1 thread: each pass is 2 tasks, with the numpy result."""
     import dask.array as da
-    from distributed import get_task_stream
+    from distributed import get_task_stream, wait
 
     from dkicf import _kmeans_tasks
 
     passes = count_lloyd_passes(monkeypatch, _kmeans_tasks._DaskBackend)
     P = overlapping(800)
     Pd = km_client.persist(da.from_array(P, chunks=(100, -1)))
+    wait(Pd)  # held before the first pass: a chunk still in flight has no worker's group
     kw = {"algorithm": "lloyd", "init": "k-means++", "n_init": 2, "random_state": 0}
     with get_task_stream(km_client) as ts:
         res = kmeans(Pd, 3, client=km_client, **kw)
