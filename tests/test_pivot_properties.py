@@ -56,7 +56,6 @@ def why_they_differ(X, options, g, b) -> str:
     margin), ``"stop"`` (the same pivots, one run stopping a pivot earlier on a
     residual or trace at the stopping value, within that margin) or
     ``"unexplained"``."""
-    from dkicf import incomplete_cholesky
     from dkicf.pivoting import rounding_margin
 
     g_piv, b_piv = np.asarray(g.pivots), np.asarray(b.pivots)
