@@ -42,9 +42,15 @@ Families
     metadata
         Stores whose metadata claims far more rows than their chunks hold,
         opened under a 3 GiB address-space limit: refused before allocating.
+    resume: factorization / k-means
+        ``--resumes`` random cases each (the rows and options of
+        ``tests/test_pivot_properties.py`` and ``tests/test_kmeans_properties.py``;
+        all three pivot rules; a commit every 1, 2 or 5 passes, every k-means
+        step), interrupted right after a commit drawn at random and resumed:
+        each must equal the undisturbed fit bit for bit.
 
 Run: python benchmarks/bench_campaign.py [--fuzz 200] [--kills 12] [--driver-kills 6]
-     [--disk 12] [--rounds 10] [--seed 0] [--markdown]
+     [--disk 12] [--rounds 10] [--resumes 100] [--seed 0] [--markdown]
 
 Timings are wall-clock on whatever machine runs it (noisy on a shared one).
 """
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -328,6 +335,101 @@ def chaos_driver(kills: int, seed: int, data: str, tmp: Path) -> Family:
     return family
 
 
+# --------------------------------------------------------------------------- resume
+
+
+def _interrupted_and_resumed(fit, url: str, rng: random.Random):
+    """``fit(checkpoint=url, resume=...)`` stopped at one of its commits drawn at random
+    (a KeyboardInterrupt raised right after that commit), then resumed; the undisturbed
+    fit; and the commit, or None where the stop did not happen.  None where the fit
+    makes no commit."""
+    import dkicf._commit as ck
+
+    commits: list = []
+    ck._fault_hook = lambda phase, step: commits.append((phase, step))
+    try:
+        reference = fit(checkpoint=url + "-reference", resume=False)
+    finally:
+        ck._fault_hook = None
+    if not commits:
+        return None
+    at = commits[rng.randrange(len(commits))]
+
+    def stop(phase, step):
+        if (phase, step) == at:
+            raise KeyboardInterrupt
+
+    ck._fault_hook = stop
+    try:
+        fit(checkpoint=url, resume=False)
+        at = None  # it ran to the end: nothing to resume
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ck._fault_hook = None
+    return fit(checkpoint=url, resume=True), reference, at
+
+
+def resume_random(cases: int, seed: int, tmp: Path) -> list[Family]:
+    """Factorizations and k-means fits of random, often degenerate data and options,
+    interrupted at a random commit and resumed: each must equal the undisturbed fit bit
+    for bit (numpy backend, in this process)."""
+    import warnings
+
+    import test_kmeans_properties as tk
+    import test_pivot_properties as tp
+
+    from dkicf import incomplete_cholesky, kmeans
+
+    rng, nprng = random.Random(seed + 3), np.random.default_rng(seed + 3)
+    icf, km = Family("resume: factorization at a random commit"), \
+        Family("resume: k-means at a random commit")
+    for case in range(cases):
+        _, X, options = tp.random_case(nprng)
+        rule = rng.choice(["greedy", "block-greedy", "rpcholesky"])
+        every = rng.choice([1, 2, 5])
+        extra = {"random_state": case} if rule == "rpcholesky" else {}
+
+        factorize = functools.partial(incomplete_cholesky, X, pivoting=rule,
+                                      checkpoint_every=every, **options, **extra)
+        Y = tk._rows(rng.choice(tk.KINDS), rng.randint(20, 400), rng.randint(1, 5), nprng)
+        cluster = functools.partial(
+            kmeans, Y, rng.randint(1, min(np.unique(Y, axis=0).shape[0], 8)),
+            algorithm=rng.choice(["lloyd", "minibatch-lloyd", "minibatch"]),
+            init=rng.choice(["k-means||", "k-means++"]), n_init=rng.randint(1, 5),
+            batch_size=rng.choice([8, 64]), tol=rng.choice([0.0, 1e-4]),
+            max_iter=rng.choice([5, 30]), random_state=case, checkpoint_every=1)
+        for family, fit, same in (
+            (icf, factorize, lambda a, b: (np.array_equal(a.pivots, b.pivots)
+                                           and np.array_equal(a.P, b.P)
+                                           and a.n_passes == b.n_passes)),
+            (km, cluster, lambda a, b: (np.array_equal(a.labels, b.labels)
+                                        and np.array_equal(a.cluster_centers, b.cluster_centers)
+                                        and a.inertias == b.inertias
+                                        and a.n_steps_total == b.n_steps_total)),
+        ):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # rank-deficient kernels, empty clusters
+                    found = _interrupted_and_resumed(
+                        fit, str(tmp / f"resume-{family.name[8:11]}-{case}"), rng)
+            except Exception as exc:  # noqa: BLE001 - every failure is counted
+                family.case(False, lost=True)
+                family.notes = family.notes or f"case {case}: {exc!r}"[:300]
+                continue
+            if found is None:
+                continue
+            resumed, reference, at = found
+            equal = bool(same(resumed, reference))
+            family.case(at is not None and equal, lost=not equal)
+            if not (at is not None and equal) and not family.notes:
+                family.notes = (f"case {case}: " + (
+                    "not stopped" if at is None else f"stopped after {at}, different"))
+    for family in (icf, km):
+        family.notes = family.notes or f"{cases} cases drawn, {family.tried} made a commit"
+    return [icf, km]
+
+
 # --------------------------------------------------------------------------- full disk
 
 
@@ -496,13 +598,16 @@ def main(argv=None) -> None:
     p.add_argument("--driver-kills", type=int, default=6)
     p.add_argument("--disk", type=int, default=12, help="full-disk cases")
     p.add_argument("--rounds", type=int, default=10, help="concurrency rounds")
+    p.add_argument("--resumes", type=int, default=100,
+                   help="random cases interrupted at a commit and resumed (per family)")
     p.add_argument("--n", type=int, default=4000, help="rows of the chaos and disk data")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", help="families to run (fuzz chaos driver disk "
-                                             "concurrency metadata)")
+                                             "concurrency metadata resume)")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = p.parse_args(argv)
-    only = set(args.only or ["fuzz", "chaos", "driver", "disk", "concurrency", "metadata"])
+    only = set(args.only or ["fuzz", "chaos", "driver", "disk", "concurrency", "metadata",
+                             "resume"])
 
     from dkicf import io
 
@@ -518,6 +623,7 @@ def main(argv=None) -> None:
         ("disk", lambda: [full_disk(args.disk, args.seed, data, tmp)]),
         ("chaos", lambda: [chaos_workers(args.kills, args.seed, data, tmp)]),
         ("driver", lambda: [chaos_driver(args.driver_kills, args.seed, data, tmp)]),
+        ("resume", lambda: resume_random(args.resumes, args.seed, tmp)),
     ]
     for key, step in steps:
         if key not in only:
