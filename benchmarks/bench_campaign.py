@@ -392,7 +392,7 @@ def resume_random(cases: int, seed: int, tmp: Path) -> list[Family]:
 
         factorize = functools.partial(incomplete_cholesky, X, pivoting=rule,
                                       checkpoint_every=every, **options, **extra)
-        Y = tk._rows(rng.choice(tk.KINDS), rng.randint(20, 400), rng.randint(1, 5), nprng)
+        Y = tk.random_rows(rng.choice(tk.KINDS), rng.randint(20, 400), rng.randint(1, 5), nprng)
         cluster = functools.partial(
             kmeans, Y, rng.randint(1, min(np.unique(Y, axis=0).shape[0], 8)),
             algorithm=rng.choice(["lloyd", "minibatch-lloyd", "minibatch"]),

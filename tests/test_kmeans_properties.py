@@ -31,7 +31,8 @@ from dkicf.kmeans import assign  # noqa: E402
 KINDS = ("normal", "duplicates", "blobs", "grid")
 
 
-def _rows(kind: str, n: int, s: int, rng: np.random.Generator) -> np.ndarray:
+def random_rows(kind: str, n: int, s: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` rows of ``s`` features of one of :data:`KINDS` (also drawn by the campaign)."""
     if kind == "normal":
         return rng.standard_normal((n, s))
     if kind == "duplicates":  # a few distinct rows, each many times
@@ -51,7 +52,7 @@ def kmeans_cases(draw):
     kind = draw(st.sampled_from(KINDS))
     # Grids of few features: rows at the same distance from two centres in most passes.
     width = draw(st.integers(1, 2 if kind == "grid" else 6))
-    X = _rows(kind, draw(st.integers(2, 300)), width, np.random.default_rng(seed))
+    X = random_rows(kind, draw(st.integers(2, 300)), width, np.random.default_rng(seed))
     distinct = np.unique(X, axis=0).shape[0]
     k = draw(st.integers(1, min(distinct, 10)))
     options = dict(
