@@ -615,15 +615,15 @@ def _measure_and_label(backend, runs: _Runs, pos: _Position):
     tied = []
     labels, inertias, counts = _full_pass(backend, [runs.runs[sets[j]].centers for j in slot],
                                           tied)
+    # Their counts are their own; a tie leaves every row's distance, so the inertia stands.
     apart = [j for j in _order_matters(same, slot, tied) if runs.runs[sets[j]].inertia is None]
-    if apart:  # their counts are their own; a tie leaves every row's distance, so the inertia
-        _, _, again = _full_pass(backend, [runs.runs[sets[j]].centers for j in apart])
-        alone = dict(zip(apart, again))
+    alone = dict(zip(apart, _full_pass(backend, [runs.runs[sets[j]].centers
+                                                 for j in apart])[2])) if apart else {}
     for j, i in enumerate(sets):
         run, (first, order) = runs.runs[i], same[j]
         if run.inertia is None:
             run.inertia = inertias[slot[first]]
-            run.counts = alone[j] if j in apart else (
+            run.counts = alone[j] if j in alone else (
                 counts[slot[first]] if order is None else counts[slot[first]][order])
     best = runs.pick_best()
     return labels if best.restart == guess else None

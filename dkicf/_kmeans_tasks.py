@@ -124,13 +124,13 @@ def _first_reaching(d: np.ndarray, least: np.ndarray, slot: str,
     then depends on the entries' order.
     """
     m = d.shape[-2]
+    # Counts and places up to m in the narrowest integers that hold them (uint8:
+    # 1.7-2.3x faster than int32 at 10-20 entries).
+    kind = np.uint8 if m < 256 else np.uint16 if m < 65536 else np.int64
     reached = np.equal(d, least[..., None, :], out=scratch(f"{slot}-reached", d.shape, np.bool_))
     if tied is not None:
-        at_least = np.add.reduce(reached, axis=-2, dtype=np.uint8 if m < 256 else np.int64)
-        tied |= (at_least > 1).any(axis=-1)
-    # The first at the minimum: the largest of (m - j) where it is reached, in the
-    # narrowest integers that hold m (uint8: 1.7-2.3x faster than int32 at 10-20 entries).
-    kind = np.uint8 if m < 256 else np.uint16 if m < 65536 else np.int64
+        tied |= (np.add.reduce(reached, axis=-2, dtype=kind) > 1).any(axis=-1)
+    # The first at the minimum: the largest of (m - j) where it is reached.
     weight = np.arange(m, 0, -1, dtype=kind)[:, None]
     top = np.maximum.reduce(np.multiply(reached, weight, out=scratch(
         f"{slot}-first", d.shape, kind)), axis=-2)
