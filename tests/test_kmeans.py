@@ -1120,6 +1120,36 @@ def test_kmeans_parallel_update_takes_the_lowest_numbered_of_tied_candidates(rng
         assert total == pytest.approx(exact.min(1).sum(), rel=1e-6)
 
 
+@pytest.mark.parametrize("order", ["F", "C"])
+def test_kmeans_parallel_first_pass_checks_p_as_the_full_check_does(order):
+    """The first k-means|| pass looks for NaN and infinity only in row blocks whose sums of
+    squares are not finite: it still names the first bad row, and finite rows whose squares
+    overflow pass (as they pass ``_check_finite``); a later pass checks every block."""
+    from dkicf import _kmeans_tasks
+
+    rng = np.random.default_rng(3)
+    p = rng.normal(size=(9000, 12))
+    p[4321] = 1e200  # finite: its squares overflow to inf
+    cands, firsts = [p[[5]], p[[77]]], [0, 0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        state, _ = _kmeans_tasks._chunk_nearest_update(np.array(p, order=order), 500, None,
+                                                       cands, firsts)
+    assert state.x_sq[4321] == np.inf
+    _kmeans_tasks._check_finite(p, 500)  # the full check agrees: no error
+    p[4321] = 1.0
+    for row, value in ((6001, np.nan), (6001, np.inf), (8999, -np.inf), (0, np.nan)):
+        bad = np.array(p, order=order)
+        bad[row, 11] = value
+        with pytest.raises(ValueError, match=rf"first at row {row + 500}\."):
+            _kmeans_tasks._chunk_nearest_update(bad, 500, None, cands, firsts)
+        # Unchecked, the same pass goes through; a later checked pass finds the row.
+        with np.errstate(invalid="ignore"):
+            later, _ = _kmeans_tasks._chunk_nearest_update(bad, 500, None, cands, firsts,
+                                                           check=False)
+        with pytest.raises(ValueError, match=rf"first at row {row + 500}\."):
+            _kmeans_tasks._chunk_nearest_update(bad, 500, later, [p[[9]], p[[10]]], [1, 1])
+
+
 def test_kmeans_parallel_first_pass_with_one_candidate_a_run(rng):
     """k-means||'s first pass (one candidate a run) labels every row with that candidate
     and gives its squared distance; a row with NaN (P not checked) is never nearer."""
