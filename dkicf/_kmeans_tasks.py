@@ -590,6 +590,9 @@ class KMeansBackend(ChunkBackend, Protocol):
     n: int
     #: Whether P lives elsewhere (rows travel, and may be fetched ahead while a pass runs).
     remote: bool
+    #: Whether every row of P was checked for NaN and infinity (rows fetched from it
+    #: need no check of their own).
+    checked: bool
 
     def rows(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of P at the global indices ``index`` (float64), written into ``out`` if given.
@@ -630,6 +633,7 @@ class _NumpyBackend:
     """
 
     remote = False
+    checked = True  # on entry (check_array_2d)
 
     def __init__(self, P: np.ndarray):
         self.P = P
@@ -767,6 +771,11 @@ class _DaskBackend:
         """``parts`` of a full pass came back: every chunk of P was checked."""
         self._check = False
         return parts
+
+    @property
+    def checked(self) -> bool:
+        """Whether a full pass checked every chunk of P for NaN and infinity."""
+        return not self._check
 
     def _map(self, name: str, fn, chunks, *args, each=()) -> list:
         """``fn(block_j, *args_j)`` for each chunk ``j`` of ``chunks``, sent in one message.

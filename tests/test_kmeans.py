@@ -548,6 +548,33 @@ def test_dask_nan_names_the_global_row(km_client):
         assign(as_dask(X, (10, 15, 15)), np.zeros((2, 3)), client=km_client)
 
 
+@pytest.mark.parametrize("init", ["k-means||", "k-means++"])
+def test_fetched_rows_are_checked_only_while_p_is_not(km_client, monkeypatch, init):
+    """The driver checks fetched rows (the runs' init samples, the mini-batches) for NaN
+    and infinity only until a pass has checked every chunk: never on a numpy P (checked on
+    entry); on dask the samples, fetched first, and the mini-batches only where no
+    k-means|| pass came before them (and a bad row is named)."""
+    from dkicf import _kmeans_runs
+
+    checked = []
+    real = _kmeans_runs._check_finite
+    monkeypatch.setattr(_kmeans_runs, "_check_finite",
+                        lambda rows, index: (checked.append(len(rows)), real(rows, index)))
+    X = overlapping(600)
+    kw = dict(init=init, batch_size=40, max_iter=6, n_init=2, random_state=4)
+    kmeans(X, 3, **kw)
+    assert checked == []
+    kmeans(as_dask(X, (200, 250, 150)), 3, client=km_client, **kw)
+    if init == "k-means||":  # the two runs' samples of 120 rows
+        assert checked == [2 * 120]
+    else:  # the samples, then each run's one fetch of 6 batches
+        assert checked == [2 * 120, 6 * 40, 6 * 40]
+        bad = X.copy()
+        bad[:, 1] = np.nan
+        with pytest.raises(ValueError, match=r"P contains NaN or infinity: first at row \d+\."):
+            kmeans(as_dask(bad, (200, 250, 150)), 3, client=km_client, **kw)
+
+
 @pytest.mark.parametrize("k", [3, 5000])
 def test_cluster_sums_dense_and_sparse_equal_numpy(k):
     """Per-centre sums, through the dense product and (many clusters) the sparse one."""
