@@ -350,18 +350,17 @@ def _chunk_nearest_update(p, offset: int, state: _Nearest | None, cands: list, f
     by_columns = _column_major(p)
     for lo, hi, x in _row_blocks(p, offset, max(c.shape[0] for c in cands), check and not first,
                                  views=by_columns):
-        x32 = scratch("kmpar-rows", x.shape[::-1] if by_columns else x.shape, np.float32)
-        np.copyto(x32, x.T if by_columns else x, casting="same_kind")
-        rows_t = x32 if by_columns else x32.T
         x_sq = state.x_sq[lo:hi]
         if first:
-            # After the copy, which left the block in cache (a third of the time).
             np.einsum("ij,ij->i", x, x, out=x_sq)
             # A row holding NaN or infinity has no finite sum of squares: only a
             # block with such a sum is searched for them (a read of the block
             # less; a row whose finite squares overflow passes, as it would).
             if check and not np.isfinite(x_sq).all():
                 _check_finite(x, offset + lo)
+        x32 = scratch("kmpar-rows", x.shape[::-1] if by_columns else x.shape, np.float32)
+        np.copyto(x32, x.T if by_columns else x, casting="same_kind")
+        rows_t = x32 if by_columns else x32.T
         for r, (d2, label) in enumerate(new):
             if cands[r].shape[0]:
                 near, dist = _nearest_candidate(scaled[r], c_sq[r], rows_t, x_sq)
