@@ -20,6 +20,11 @@ Families
         rows (duplicated rows and small integer grids among them) and options;
         each fits with the restarts sharing their passes and apart, which
         must agree, and each fit must agree with direct computations.
+    fuzz: factorization
+        The hypothesis cases of ``tests/test_icf_properties.py``: random rows
+        (copies, grids, tight blobs, scales from 0.01 to 100), four kernels,
+        all three pivot rules; each factor must keep the theorems of a partial
+        Cholesky factorization against scikit-learn's full kernel matrix.
     chaos: worker kills
         Fits on a LocalCluster of 3 workers; in each, one worker is SIGKILLed
         during loading, an ICF pass, k-means or the final write (by turns, at
@@ -120,6 +125,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def fuzz(examples: int, seed: int) -> list[Family]:
     import test_fuzz as tf
+    import test_icf_properties as ti
     import test_kmeans_properties as tk
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -143,6 +149,10 @@ def fuzz(examples: int, seed: int) -> list[Family]:
         "fuzz: k-means (restarts sharing passes against apart)": [
             given(case=tk.kmeans_cases())(
                 tk.test_fuzz_restarts_sharing_their_passes_fit_as_apart.hypothesis.inner_test)],
+        "fuzz: factorization (theorems against the full kernel matrix)": [
+            given(case=ti.cases())(
+                ti.test_the_factor_keeps_the_theorems_of_a_partial_cholesky_factorization
+                .hypothesis.inner_test)],
     }
     families = []
     for name, tests in runs.items():
