@@ -25,7 +25,7 @@ from dask.utils import parse_bytes
 
 from . import _cli_signals, deploy, io
 from ._cli_parser import UsageError, kernel_hyperparameters
-from ._config import get
+from ._config import get, local_workers
 from ._plan import describe, plan_fit
 
 __all__ = ["COMMANDS"]
@@ -200,6 +200,14 @@ def _check_cluster_args(args) -> None:
     """The cluster flags' values, checked before anything is read or started."""
     _check_size("--memory-limit", args.memory_limit or str(get("cluster.memory-limit")),
                 auto=True)
+    if args.workers is None:
+        configured = get("cluster.workers")
+        try:
+            local_workers(configured)
+        except ValueError:
+            raise UsageError(
+                f"the dask setting dkicf.cluster.workers is {configured!r}: it must be an "
+                "integer >= 1 or 'auto' (or pass --workers).") from None
     if args.cluster in ("slurm", "pbs") and args.memory is not None:
         _check_size("--memory", args.memory, auto=False)
     if args.cluster in ("kubernetes", "slurm", "pbs"):
@@ -265,7 +273,9 @@ def _cluster(args, *, in_process: bool = False):
         if args.shared_dir:
             options["shared_temp_directory"] = args.shared_dir
     elif kind == "kubernetes":
-        options.update(name=args.name, image=args.image, workers=workers, threads=threads)
+        options.update(name=args.name, image=args.image, threads=threads)
+        if workers != "auto":  # auto counts this machine's cores: pods take kubernetes_spec's
+            options["workers"] = workers
         if memory_limit != "auto":  # a pod needs a size: kubernetes_spec's default
             options["memory_limit"] = memory_limit
     client, cluster = deploy.start_cluster(kind, **options)

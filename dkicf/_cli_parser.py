@@ -44,7 +44,8 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                         "--dashboard, starts a local cluster whatever the size")
     g.add_argument("--workers", type=_positive_int, default=None,
                    help=f"local or kubernetes workers (default: {get('cluster.workers')}, "
-                        "dask config dkicf.cluster.workers)")
+                        "dask config dkicf.cluster.workers; auto: one a core of this "
+                        "machine, 2 kubernetes pods)")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help=f"threads per worker (default: {get('cluster.threads')}, "
                         "dask config dkicf.cluster.threads)")

@@ -66,6 +66,28 @@ def get(key: str, default: Any = None) -> Any:
     return dask.config.get(f"dkicf.{key}", default)
 
 
+def local_workers(value: Any) -> int:
+    """Worker processes of a local cluster for ``value``: an integer >= 1 as it is, or
+    ``"auto"``: one a core that this process may use (its CPU affinity and any cgroup
+    quota, as dask counts them), each worker having one thread.
+
+    Examples
+    --------
+    >>> from dkicf._config import local_workers
+    >>> local_workers(3)
+    3
+    >>> local_workers("auto") >= 1
+    True
+    """
+    if value == "auto":
+        import dask.system
+
+        return max(1, int(dask.system.CPU_COUNT))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"workers must be an integer >= 1 or 'auto', got {value!r}.")
+    return value
+
+
 def process_settings() -> dict:
     """The dask settings that the processes of the clusters dkicf starts (a local
     cluster's scheduler, nannies and workers; a SLURM or PBS job's workers) run with on top

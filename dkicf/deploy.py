@@ -105,9 +105,9 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
-def _local_cluster(workers=2, threads=1, memory_limit="auto", dashboard=False,
+def _local_cluster(workers="auto", threads=1, memory_limit="auto", dashboard=False,
                    separate_processes=None):
-    _positive_int(workers, "workers")
+    workers = _config.local_workers(workers)
     _positive_int(threads, "threads")
     if separate_processes is None:
         separate_processes = _config.get("cluster.separate-processes")
@@ -807,7 +807,8 @@ def start_cluster(kind: str = "local", **options):
     kind : {"local", "kubernetes", "slurm", "pbs"}
         Where the workers run.
     **options
-        ``local``: ``workers=2``, ``threads=1`` (per worker),
+        ``local``: ``workers="auto"`` (one a core this process may use),
+        ``threads=1`` (per worker),
         ``memory_limit="auto"`` (per worker), ``dashboard=False``,
         ``separate_processes`` (see :func:`local_cluster`).  Binds to
         127.0.0.1; the dashboard, when on, too.
@@ -918,7 +919,7 @@ def start_cluster(kind: str = "local", **options):
 
 
 def local_cluster(
-    n_workers: int | None = None,
+    n_workers: int | str | None = None,
     threads_per_worker: int | None = None,
     memory_limit: str | int | None = None,
     *,
@@ -934,9 +935,11 @@ def local_cluster(
 
     Parameters
     ----------
-    n_workers : int, optional
-        Worker processes; by default dask's setting ``dkicf.cluster.workers``
-        (2 unless configured), as for the ``dkicf`` command.
+    n_workers : int or "auto", optional
+        Worker processes, or ``"auto"``: one a core that this process may
+        use (its CPU affinity and cgroup quota).  By default dask's setting
+        ``dkicf.cluster.workers`` (``auto`` unless configured), as for the
+        ``dkicf`` command.
     threads_per_worker : int, optional
         By default ``dkicf.cluster.threads`` (1 unless configured).
     memory_limit : str or int, optional

@@ -635,8 +635,9 @@ def test_help_shows_every_default(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "-v, --verbose" in text
         if command in ("fit", "predict", "demo"):
-            for default in ("--workers WORKERS local or kubernetes workers (default: 2, dask "
-                            "config dkicf.cluster.workers)",
+            for default in ("--workers WORKERS local or kubernetes workers (default: auto, "
+                            "dask config dkicf.cluster.workers; auto: one a core of this "
+                            "machine, 2 kubernetes pods)",
                             "--threads THREADS threads per worker (default: 1, dask config "
                             "dkicf.cluster.threads)",
                             "--jobs JOBS batch jobs (slurm/pbs; default: 1)",
@@ -747,6 +748,34 @@ def test_refusals_come_before_any_cluster_starts(ring_store, tmp_path, capsys, m
     err = capsys.readouterr().err
     assert code == 1 and "has 3 features but the model" in err and "fitted on 2" in err
     assert not (tmp_path / "o.zarr").exists() and not (tmp_path / "l.zarr").exists()
+
+
+def test_a_bad_workers_setting_is_a_usage_error_before_any_cluster_starts(
+        ring_store, tmp_path, capsys, monkeypatch):
+    import dask
+
+    import dkicf.deploy
+    from dkicf.cli import main
+
+    started = []
+
+    def start_cluster(kind, **options):
+        started.append(options)
+        raise RuntimeError("no cluster here")
+
+    monkeypatch.setattr(dkicf.deploy, "start_cluster", start_cluster)
+    store = str(ring_store / "ring.zarr")
+    with dask.config.set({"dkicf.cluster.workers": "many"}):
+        code = main(["fit", store, "--clusters", "3", "--out", str(tmp_path / "o.zarr"),
+                     "--cluster", "local", "--quiet"])
+        assert code == 2 and started == []
+        assert ("the dask setting dkicf.cluster.workers is 'many': it must be an integer >= 1 "
+                "or 'auto' (or pass --workers).") in capsys.readouterr().err
+        # --workers overrides the setting.
+        code = main(["fit", store, "--clusters", "3", "--out", str(tmp_path / "o.zarr"),
+                     "--workers", "3", "--quiet"])
+        assert code == 1 and "no cluster here" in capsys.readouterr().err
+    assert started == [{"workers": 3, "threads": 1, "memory_limit": "auto", "dashboard": False}]
 
 
 def test_demo_writes_to_a_temporary_folder_and_says_where_and_how_much(tmp_path):

@@ -504,8 +504,29 @@ def test_start_cluster_rejects_unknown_kinds_and_options():
         start_cluster("yarn")
     with pytest.raises(TypeError, match="n_workers.*Valid options: dashboard, memory_limit"):
         start_cluster("local", n_workers=2)
-    with pytest.raises(ValueError, match="workers must be an integer >= 1, got 0"):
-        start_cluster("local", workers=0)
+    for bad in (0, "all", 2.5, True):
+        with pytest.raises(ValueError, match=r"workers must be an integer >= 1 or 'auto', "
+                                             rf"got {bad!r}\."):
+            start_cluster("local", workers=bad)
+
+
+def test_auto_local_workers_are_one_a_core_this_process_may_use(monkeypatch):
+    """workers="auto" (the default) starts one single-thread worker per core that dask
+    counts for this process (affinity and cgroup quota), not a fixed 2."""
+    import dask.system
+
+    from dkicf import _local
+
+    seen = []
+    monkeypatch.setattr(_local, "local_cluster_object",
+                        lambda workers, threads, *rest: seen.append((workers, threads)))
+    monkeypatch.setattr(dask.system, "CPU_COUNT", 7)
+    start_cluster("local")
+    start_cluster("local", workers="auto", threads=2)
+    start_cluster("local", workers=3)
+    monkeypatch.setattr(dask.system, "CPU_COUNT", 0)
+    start_cluster("local")
+    assert seen == [(7, 1), (7, 2), (3, 1), (1, 1)]
 
 
 # ------------------------------------------------------------- optional extras
@@ -1881,6 +1902,6 @@ def test_local_cluster_takes_its_defaults_from_dask_config(monkeypatch):
          "dashboard": False, "separate_processes": None},
         {"kind": "local", "workers": 1, "threads": 2, "memory_limit": "1GiB",
          "dashboard": True, "separate_processes": None},
-        {"kind": "local", "workers": 2, "threads": 1, "memory_limit": "auto",
+        {"kind": "local", "workers": "auto", "threads": 1, "memory_limit": "auto",
          "dashboard": False, "separate_processes": None},
     ]

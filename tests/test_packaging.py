@@ -55,7 +55,7 @@ def test_the_dkicf_section_of_dask_config_is_shipped_and_overridable(tmp_path):
     import yaml
 
     shipped = yaml.safe_load((REPO / "dkicf" / "dkicf.yaml").read_text())["dkicf"]
-    assert shipped["cluster"] == {"workers": 2, "threads": 1, "memory-limit": "auto",
+    assert shipped["cluster"] == {"workers": "auto", "threads": 1, "memory-limit": "auto",
                                   "separate-processes": "auto", "worker-timeout": 3600,
                                   "worker-profiler": False, "tick-interval": "1s"}
     assert shipped["fit"] == {"rank": 100, "pivoting": "block-greedy"}
@@ -67,13 +67,13 @@ def test_the_dkicf_section_of_dask_config_is_shipped_and_overridable(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DKICF_", "DASK_DKICF__", "DASK_CONFIG"))}
     for extra, expected in (
-        ({}, [2, 1, 100, "block-greedy"]),
+        ({}, ["auto", 1, 100, "block-greedy"]),
         ({"DKICF_CLUSTER__WORKERS": "6"}, [6, 1, 100, "block-greedy"]),
         ({"DASK_DKICF__CLUSTER__THREADS": "4", "DKICF_FIT__RANK": "40"},
-         [2, 4, 40, "block-greedy"]),
+         ["auto", 4, 40, "block-greedy"]),
         ({"DASK_DKICF__CLUSTER__WORKERS": "7", "DKICF_CLUSTER__WORKERS": "5"},
          [7, 1, 100, "block-greedy"]),
-        ({"DASK_CONFIG": str(tmp_path / "conf")}, [2, 1, 100, "greedy"]),
+        ({"DASK_CONFIG": str(tmp_path / "conf")}, ["auto", 1, 100, "greedy"]),
     ):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**env, **extra}, timeout=60)
@@ -98,7 +98,7 @@ def test_dkicf_settings_outlive_a_dask_config_set_entered_before_their_first_rea
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**env, "DKICF_CLUSTER__THREADS": "3"}, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == [5, 2, 3]
+    assert json.loads(proc.stdout) == [5, "auto", 3]
 
 
 def test_the_cli_takes_its_cluster_and_fit_defaults_from_dask_config(tmp_path, monkeypatch,
