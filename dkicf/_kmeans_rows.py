@@ -1,4 +1,4 @@
-"""Rows of P for the k-means' kernels: gathered by index, copied, and their layout.
+"""Rows of P for the k-means' kernels: gathered by index, copied, checked, and their layout.
 
 A factorization's P is Fortran-ordered (each column contiguous): these read
 it by columns where rows would be read several times slower.
@@ -95,3 +95,18 @@ def _column_major(p) -> bool:
     it: each column contiguous, the next one further on)."""
     return (isinstance(p, np.ndarray) and p.ndim == 2 and p.dtype == np.float64
             and p.shape[1] > 1 and p.strides[0] == p.itemsize and p.strides[1] > p.itemsize)
+
+
+def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
+    """Raise naming the first row of P that holds NaN or infinity.
+
+    ``rows`` is the global index of ``x``'s first row, or of all its rows.
+    """
+    if np.isfinite(x).all():
+        return
+    bad = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+    row = int(rows[bad]) if isinstance(rows, np.ndarray) else rows + bad
+    raise ValueError(
+        f"P contains NaN or infinity: first at row {row}. "
+        "Remove or impute those rows before clustering."
+    )

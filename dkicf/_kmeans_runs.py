@@ -18,7 +18,8 @@ import numpy as np
 
 from ._commit import StateCheckpoint
 from ._kmeans_config import KMeansProgress, KMeansResult, _Config
-from ._kmeans_tasks import _check_finite, _cluster_sums, _nearest
+from ._kmeans_rows import _check_finite
+from ._kmeans_tasks import _cluster_sums, _nearest
 from ._memory import KMEANS_FETCH_BYTES, KMEANS_FETCH_ROWS, kmeans_fetch_rows
 from ._services import chunk_digest
 from .errors import CheckpointMismatchError, worker_failure

@@ -19,7 +19,7 @@ import numpy as np
 from scipy import sparse
 
 from ._cluster import get_client
-from ._kmeans_rows import _column_major, _copy_rows, _place_rows, _take_rows
+from ._kmeans_rows import _check_finite, _column_major, _copy_rows, _place_rows, _take_rows
 from ._memory import _gib, _worker_resources
 from ._services import (
     ChunkBackend,
@@ -44,21 +44,6 @@ _BLOCK_BYTES = 4 << 20
 
 # Numpy backend: rows per block of its thread pool, at least.
 _MIN_BLOCK_ROWS = 16384
-
-
-def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
-    """Raise naming the first row of P that holds NaN or infinity.
-
-    ``rows`` is the global index of ``x``'s first row, or of all its rows.
-    """
-    if np.isfinite(x).all():
-        return
-    bad = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
-    row = int(rows[bad]) if isinstance(rows, np.ndarray) else rows + bad
-    raise ValueError(
-        f"P contains NaN or infinity: first at row {row}. "
-        "Remove or impute those rows before clustering."
-    )
 
 
 def _nearest(x: np.ndarray, centers: np.ndarray, c_sq: np.ndarray):
