@@ -518,14 +518,22 @@ def test_auto_local_workers_are_one_a_core_this_process_may_use(monkeypatch):
     from dkicf import _local
 
     seen = []
-    monkeypatch.setattr(_local, "local_cluster_object",
-                        lambda workers, threads, *rest: seen.append((workers, threads)))
+
+    class Started(Exception):
+        pass
+
+    def local_cluster_object(workers, threads, *rest):
+        seen.append((workers, threads))
+        raise Started  # no cluster, and no client of dask's own defaults either
+
+    monkeypatch.setattr(_local, "local_cluster_object", local_cluster_object)
     monkeypatch.setattr(dask.system, "CPU_COUNT", 7)
-    start_cluster("local")
-    start_cluster("local", workers="auto", threads=2)
-    start_cluster("local", workers=3)
+    for options in ({}, {"workers": "auto", "threads": 2}, {"workers": 3}):
+        with pytest.raises(Started):
+            start_cluster("local", **options)
     monkeypatch.setattr(dask.system, "CPU_COUNT", 0)
-    start_cluster("local")
+    with pytest.raises(Started):
+        start_cluster("local")
     assert seen == [(7, 1), (7, 2), (3, 1), (1, 1)]
 
 
