@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import mmap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -32,7 +31,14 @@ from scipy.linalg.blas import dtrsm as _dtrsm
 from ._candidates import chunk_block_stats, rows_reaching_top, top_rows_of
 from ._factor import History, PivotBlock
 from ._memory import _STREAM_BYTES
-from ._services import LazyChunk, materialize, report_summary, scratch, threadpool_limits
+from ._services import (
+    LazyChunk,
+    mapped_empty,
+    materialize,
+    report_summary,
+    scratch,
+    threadpool_limits,
+)
 from .kernels import Kernel, _dot_t
 
 _FLOAT = np.float64
@@ -42,11 +48,6 @@ _FLOAT = np.float64
 # with a low MALLOC_TRIM_THRESHOLD_, which makes large temporaries page-fault
 # on every allocation).
 ROW_BLOCK = 8192
-
-
-# Buffers at least this large are mapped and faulted in with one system call.
-_MAPPED_BYTES = 4 << 20
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
 def empty_columns(n: int, cols: int, populate: bool = True) -> np.ndarray:
@@ -64,16 +65,7 @@ def empty_columns(n: int, cols: int, populate: bool = True) -> np.ndarray:
     (huge pages freed a moment before and reused: 0.1 ms, which made fits
     run back to back in one process about 10% faster).
     """
-    nbytes = 8 * n * cols
-    if nbytes < _MAPPED_BYTES:
-        return np.empty((n, cols), dtype=_FLOAT, order="F")
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if populate:
-        try:
-            buf.madvise(_POPULATE_WRITE)
-        except (OSError, ValueError):  # kernel < 5.14
-            pass
-    return np.frombuffer(buf, dtype=_FLOAT).reshape((n, cols), order="F")
+    return mapped_empty((n, cols), "F", populate)
 
 
 def empty_vector(n: int) -> np.ndarray:

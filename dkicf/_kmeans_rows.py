@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._services import mapped_empty
+
 # Rows gathered at a time into an ``out`` array: their temporary stays a few MiB.
 _GATHER_ROWS = 4096
 
@@ -110,3 +112,15 @@ def _check_finite(x: np.ndarray, rows: int | np.ndarray) -> None:
         f"P contains NaN or infinity: first at row {row}. "
         "Remove or impute those rows before clustering."
     )
+
+
+def _rows_in_new_buffer(backend, index: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``backend.rows(index)`` written into a new buffer of ``rows`` rows, and the buffer
+    (for the run's later fetches).
+
+    The buffer's pages are faulted in at once (:func:`mapped_empty`), here in
+    the fetching thread: filled page by page, a fresh 123 MB buffer took
+    0.34 s instead of 0.09 s, time the run then waited for.
+    """
+    buffer = mapped_empty((rows, backend.s))
+    return backend.rows(index, buffer[:index.shape[0]]), buffer

@@ -18,10 +18,10 @@ import numpy as np
 
 from ._commit import StateCheckpoint
 from ._kmeans_config import KMeansProgress, KMeansResult, _Config
-from ._kmeans_rows import _check_finite
+from ._kmeans_rows import _check_finite, _rows_in_new_buffer
 from ._kmeans_tasks import _cluster_sums, _nearest
 from ._memory import KMEANS_FETCH_BYTES, KMEANS_FETCH_ROWS, kmeans_fetch_rows
-from ._services import chunk_digest
+from ._services import chunk_digest, mapped_empty
 from .errors import CheckpointMismatchError, worker_failure
 
 logger = logging.getLogger("dkicf.kmeans")
@@ -273,12 +273,12 @@ class _FirstFetches:
             rng = np.random.default_rng(streams[restart][1])
             fetch = {"step": 1, "m": m, "rng": rng.bit_generator.state}
             index = _draw_batches(rng, backend.n, m, b)
-            buffer = np.empty((per * b, backend.s))
-            rows = self.pool.submit(backend.rows, index, buffer[:index.shape[0]])
-            self.ahead[restart] = (fetch, rng.bit_generator.state, index, rows, buffer)
+            job = self.pool.submit(_rows_in_new_buffer, backend, index, m * b)
+            self.ahead[restart] = (fetch, rng.bit_generator.state, index, job)
 
     def take(self, restart: int):
-        """``(fetch, rng state after it, index, future of its rows, buffer)``, or None."""
+        """``(fetch, rng state after it, index, future of (its rows, their buffer))``, or
+        None."""
         return self.ahead.pop(restart, None)
 
     def close(self) -> None:
@@ -333,14 +333,16 @@ def _run_minibatch(backend, centers, cfg: _Config, tol_abs, batch_rng, reseed_rn
     per_fetch = _batches_per_fetch(cfg, s)
     fetch, queue = None, deque()
     if saved is None and ahead is not None:  # the first fetch, brought ahead (_FirstFetches)
-        fetch, state, index, rows, buffer = ahead
+        fetch, state, index, job = ahead
         batch_rng.bit_generator.state = state
         pos.at("minibatch", 1, (1, fetch["m"]))
-        queue = _batch_queue(rows.result(), index, fetch["m"], not backend.checked)
+        rows, buffer = job.result()
+        queue = _batch_queue(rows, index, fetch["m"], not backend.checked)
     else:
         # The rows of a fetch, in one array for all of them: each fetch's own array
         # (over 32 MiB, so mapped and faulted in afresh) cost as much as the transfer.
-        buffer = np.empty((per_fetch * b, s))
+        # Its pages are faulted in at once, not one trap a page as the rows land.
+        buffer = mapped_empty((min(per_fetch, cfg.max_iter) * b, s))
     if saved is None:
         first, counts = 1, np.zeros(k)
         ewa = ewa_min = None

@@ -7,6 +7,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from _blas import blas_threads, check_driver_steps_run_one_blas_thread
+from _smaps import mapping_of
 
 from dkicf import incomplete_cholesky as _incomplete_cholesky
 from dkicf.kernels import GaussianKernel, make_kernel
@@ -400,23 +401,6 @@ def test_factor_buffers_are_writable_fortran_arrays():
     assert e.shape == (600_000,) and float(e.sum()) == 600_000.0
 
 
-def _mapping_of(address: int) -> dict:
-    """The /proc/self/smaps entry of the mapping holding ``address``: its fields, in kB."""
-    fields, inside = {}, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(a, 16) for a in head.split("-"))
-                if inside:
-                    break
-                inside = lo <= address < hi
-            elif inside:
-                name, _, value = line.partition(":")
-                fields[name] = value.split()
-    return fields
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's smaps")
 def test_large_factor_buffers_are_resident_at_once_in_the_system_s_pages():
     """P's large buffers are faulted in by one call, not page by page in the passes, and
@@ -428,15 +412,15 @@ def test_large_factor_buffers_are_resident_at_once_in_the_system_s_pages():
     if tuple(int(v) for v in platform.release().split(".")[:2]) < (5, 14):
         pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
     P = empty_columns(300_000, 4)  # 9.2 MiB
-    entry = _mapping_of(P.__array_interface__["data"][0])
+    entry = mapping_of(P.__array_interface__["data"][0])
     assert int(entry["Size"][0]) * 1024 >= P.nbytes
     assert int(entry["Rss"][0]) * 1024 >= P.nbytes  # every page present before any write
     assert "hg" not in entry["VmFlags"]  # no MADV_HUGEPAGE
     lazy = empty_columns(300_000, 4, populate=False)
     address = lazy.__array_interface__["data"][0]
-    before = int(_mapping_of(address)["Rss"][0]) * 1024  # the kernel may merge adjacent maps
+    before = int(mapping_of(address)["Rss"][0]) * 1024  # the kernel may merge adjacent maps
     lazy[...] = 0.0
-    assert int(_mapping_of(address)["Rss"][0]) * 1024 - before >= lazy.nbytes - 8192
+    assert int(mapping_of(address)["Rss"][0]) * 1024 - before >= lazy.nbytes - 8192
 
 
 @pytest.mark.parametrize("pivoting", ["greedy", "block-greedy"])

@@ -575,6 +575,44 @@ def test_fetched_rows_are_checked_only_while_p_is_not(km_client, monkeypatch, in
             kmeans(as_dask(bad, (200, 250, 150)), 3, client=km_client, **kw)
 
 
+def test_a_fetch_buffer_is_resident_before_the_rows_land():
+    """A run's fetched rows go into a buffer whose pages were all faulted in by one call
+    (filled page by page, a fresh 123 MB buffer took 0.34 s instead of 0.09 s); they are
+    P's rows, in the order asked."""
+    import os
+    import platform
+
+    from _smaps import mapping_of
+
+    from dkicf._kmeans_rows import _rows_in_new_buffer
+    from dkicf._kmeans_tasks import _NumpyBackend
+
+    if not os.path.exists("/proc/self/smaps") or tuple(
+            int(v) for v in platform.release().split(".")[:2]) < (5, 14):
+        pytest.skip("needs Linux 5.14 (MADV_POPULATE_WRITE) and its smaps")
+    rng = np.random.default_rng(2)
+    P = np.asfortranarray(rng.normal(size=(40_000, 30)))
+    backend = _NumpyBackend(P)
+    resident = []
+    real = backend.rows
+
+    def rows(index, out=None):
+        resident.append(int(mapping_of(out.__array_interface__["data"][0])["Rss"][0]) * 1024)
+        return real(index, out)
+
+    backend.rows = rows
+    index = rng.integers(0, 40_000, 30_000)
+    try:
+        # 36 MB: past glibc's largest mmap threshold, np.empty would be a fresh map too.
+        got, buffer = _rows_in_new_buffer(backend, index, 150_000)
+    finally:
+        backend.close()
+    assert buffer.shape == (150_000, 30) and buffer.flags.c_contiguous
+    assert resident[0] >= buffer.nbytes  # every page present before any row was written
+    assert np.shares_memory(got, buffer)
+    assert_array_equal(got, P[index])
+
+
 @pytest.mark.parametrize("k", [3, 5000])
 def test_cluster_sums_dense_and_sparse_equal_numpy(k):
     """Per-centre sums, through the dense product and (many clusters) the sparse one."""
