@@ -1,8 +1,9 @@
 """Property tests of the factorization against the full kernel matrix (numpy backend).
 
 Whatever the pivots, an incomplete Cholesky factorization is a partial
-Cholesky factorization of K, so on random, often degenerate data (duplicated
-rows, integer grids, tiny and huge scales, ranks past the numerical one) it
+Cholesky factorization of K, so on random, often degenerate data (the rows of
+``_cases.random_rows``: duplicated rows, tight blobs, integer grids; scaled by
+0.01 to 100; ranks past the numerical one) it
 must keep the theorems that hold for every pivot order:
 
 * ``L = P[pivots]`` is lower triangular with a positive diagonal;
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+from _cases import KINDS, random_rows  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sklearn.metrics.pairwise import pairwise_kernels  # noqa: E402
@@ -34,27 +36,12 @@ from dkicf import incomplete_cholesky  # noqa: E402
 EPS = np.finfo(np.float64).eps
 
 
-def rows_of(kind: str, n: int, d: int, scale: float, rng: np.random.Generator) -> np.ndarray:
-    """Normal rows, copies of a few rows, tight blobs far apart, or a small integer grid."""
-    if kind == "normal":
-        X = rng.standard_normal((n, d))
-    elif kind == "copies":
-        base = rng.standard_normal((int(rng.integers(1, 6)), d))
-        X = base[rng.integers(0, base.shape[0], n)]
-    elif kind == "blobs":
-        centres = rng.standard_normal((int(rng.integers(1, 5)), d)) * 10
-        X = centres[rng.integers(0, centres.shape[0], n)] + rng.standard_normal((n, d)) / 100
-    else:
-        X = rng.integers(0, 3, (n, d)).astype(np.float64)
-    return X * scale
-
-
 @st.composite
 def cases(draw, max_rows: int = 120):
-    kind = draw(st.sampled_from(["normal", "copies", "blobs", "grid"]))
+    kind = draw(st.sampled_from(KINDS))
     n, d = draw(st.integers(2, max_rows)), draw(st.integers(1, 6))
     scale = 10.0 ** draw(st.integers(-2, 2))
-    X = rows_of(kind, n, d, scale, np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
+    X = random_rows(kind, n, d, np.random.default_rng(draw(st.integers(0, 2**32 - 1)))) * scale
     kernel = draw(st.sampled_from(["gaussian", "laplacian", "polynomial", "linear"]))
     options = {"kernel": kernel, "max_rank": draw(st.integers(1, n + 3)),
                "tol": draw(st.sampled_from([0.0, 1e-9, 1e-3, 0.5])),

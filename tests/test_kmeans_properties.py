@@ -22,26 +22,12 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 hypothesis = pytest.importorskip("hypothesis")
+from _cases import KINDS, random_rows  # noqa: E402
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from dkicf import _kmeans_runs, kmeans  # noqa: E402
 from dkicf.kmeans import assign  # noqa: E402
-
-KINDS = ("normal", "duplicates", "blobs", "grid")
-
-
-def random_rows(kind: str, n: int, s: int, rng: np.random.Generator) -> np.ndarray:
-    """``n`` rows of ``s`` features of one of :data:`KINDS` (also drawn by the campaign)."""
-    if kind == "normal":
-        return rng.standard_normal((n, s))
-    if kind == "duplicates":  # a few distinct rows, each many times
-        base = rng.standard_normal((int(rng.integers(1, 15)), s))
-        return base[rng.integers(0, base.shape[0], n)]
-    if kind == "blobs":
-        centres = rng.standard_normal((int(rng.integers(1, 8)), s)) * 10
-        return centres[rng.integers(0, centres.shape[0], n)] + rng.standard_normal((n, s)) / 10
-    return rng.integers(0, 3, (n, s)).astype(np.float64)  # a grid: ties everywhere
 
 
 @st.composite

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+from _cases import KINDS, random_rows  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -29,19 +30,10 @@ def random_case(rng: np.random.Generator):
     """Rows, kernel options and a rank for one of ``--random-cases``: normal rows,
     duplicated rows, blobs or a small integer grid (ties between mirror images);
     a Gaussian, Laplacian or polynomial kernel; a rank up to past the numerical one."""
-    kind = str(rng.choice(["normal", "duplicates", "blobs", "grid"]))
+    kind = str(rng.choice(KINDS))
     n = int(rng.integers(2, 3000))
     d = int(rng.integers(1, 3 if kind == "grid" else 10))
-    if kind == "normal":
-        X = rng.standard_normal((n, d))
-    elif kind == "duplicates":
-        base = rng.standard_normal((int(rng.integers(1, 15)), d))
-        X = base[rng.integers(0, base.shape[0], n)]
-    elif kind == "blobs":
-        centres = rng.standard_normal((int(rng.integers(1, 8)), d)) * 10
-        X = centres[rng.integers(0, centres.shape[0], n)] + rng.standard_normal((n, d)) / 10
-    else:
-        X = rng.integers(0, 3, (n, d)).astype(np.float64)
+    X = random_rows(kind, n, d, rng)
     options = {"kernel": str(rng.choice(["gaussian", "gaussian", "laplacian", "polynomial"])),
                "gamma": float(10 ** rng.uniform(-3, 1.5)),
                "max_rank": int(rng.integers(1, min(n, 200) + 1)),
